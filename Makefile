@@ -1,0 +1,68 @@
+# kvbridge developer commands.  `make demo` and `make test` work on a fresh
+# machine: they create .venv and install what they need.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON := $(BIN)/python
+STAMP := $(VENV)/.kvbridge-installed
+SOURCES := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt pyproject.toml
+export KVBRIDGE_CUDA_ARCHS ?= 80;90
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: all venv build test test-fast bench bench-quick demo lint format asan cuda-check fuzz clean
+
+all: build
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+
+# torch==2.13.0 first: the CPU wheel on this machine's disk; never a CUDA build.
+$(STAMP): $(SOURCES) | $(PYTHON)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "ucxx-cu12"
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,dev,plot]'
+	@touch $(STAMP)
+
+venv build: $(STAMP)
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider bench --benchmark-disable
+
+test-fast: $(STAMP)
+	$(PYTHON) -m pytest -q -x -p no:cacheprovider tests -m "not slow"
+
+bench: $(STAMP)
+	$(PYTHON) -m pytest -q -p no:cacheprovider bench --benchmark-only
+
+demo: $(STAMP)
+	$(BIN)/kvbridge-bench demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvbridge tests bench
+	$(BIN)/ruff format --check kvbridge tests bench
+	$(BIN)/mypy kvbridge
+	@if command -v clang-format >/dev/null; then \
+	  clang-format --dry-run --Werror $$(find csrc bindings -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh'); \
+	else echo "clang-format not installed: skipped (apt-get install clang-format)"; fi
+
+format: $(STAMP)
+	$(BIN)/ruff format kvbridge tests bench
+	$(BIN)/ruff check --fix kvbridge tests bench
+	@command -v clang-format >/dev/null && clang-format -i $$(find csrc bindings -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') || true
+
+# The C++ core under AddressSanitizer + UBSan, with its own test program.
+asan:
+	cmake -S . -B build/asan -G Ninja -DKVBRIDGE_WITH_CUDA=OFF -DKVBRIDGE_WITH_UCX=OFF \
+	  -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_ASAN=ON -DKVBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build/asan
+	ASAN_OPTIONS=detect_leaks=1 ./build/asan/test_pack_core
+
+# Prove that the CUDA sources compile (no GPU needed).
+cuda-check:
+	cmake -S . -B build/cuda-check -G Ninja -DKVBRIDGE_WITH_CUDA=ON -DKVBRIDGE_WITH_UCX=OFF \
+	  -DKVBRIDGE_BUILD_PYTHON=OFF "-DCMAKE_CUDA_ARCHITECTURES=$(KVBRIDGE_CUDA_ARCHS)"
+	cmake --build build/cuda-check
+
+clean:
+	rm -rf build $(VENV) *.egg-info

@@ -1,0 +1,1 @@
+"""The ``kvbridge-bench`` command line: one module per subcommand."""

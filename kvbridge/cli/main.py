@@ -1,0 +1,42 @@
+"""``kvbridge-bench``: the standalone transfer/handoff benchmark and demo.
+
+Each subcommand lives in its own module ``kvbridge.cli.<name>`` that defines
+``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> one-line help.  Modules are imported only when their command runs.
+COMMANDS: dict[str, str] = {
+    "pack": "pack/unpack bandwidth for real KV layouts vs memcpy and torch",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbridge-bench",
+        description="kvbridge transfer and handoff benchmarks, and the PDD demo.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in COMMANDS.items():
+        mod = importlib.import_module(f"kvbridge.cli.{name}")
+        p = sub.add_parser(name, help=help_text, description=mod.__doc__)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
