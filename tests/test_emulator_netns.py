@@ -16,7 +16,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -26,7 +28,14 @@ from kvbridge.transport.emulator import netns as netns_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, WHY = WanEmulator.available()
-needs_netns = pytest.mark.skipif(not OK, reason=f"packet emulator unavailable: {WHY}")
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def needs_netns(fn: F) -> F:
+    marked: F = pytest.mark.netns(
+        pytest.mark.skipif(not OK, reason=f"packet emulator unavailable: {WHY}")(fn)
+    )
+    return marked
 
 
 def _ns_exists(name: str) -> bool:

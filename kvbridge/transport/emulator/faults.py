@@ -145,7 +145,10 @@ class _Flipper:
 async def flush(writer: asyncio.StreamWriter) -> None:
     """Wait until the transport has handed every written byte to the kernel."""
     writer.transport.set_write_buffer_limits(high=0)
-    await writer.drain()
+    try:
+        await writer.drain()
+    finally:
+        writer.transport.set_write_buffer_limits()  # back to the defaults
 
 
 class FaultProxy(TcpProxy):
