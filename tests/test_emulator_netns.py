@@ -7,6 +7,7 @@ bound only.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -315,3 +316,45 @@ def test_cli_up_tears_down_on_sigterm() -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@needs_netns
+@pytest.mark.parametrize("use_uvloop", [False, True])
+def test_asyncio_endpoints_on_both_sides(use_uvloop: bool) -> None:
+    uvloop = pytest.importorskip("uvloop") if use_uvloop else None
+    payload = os.urandom(3_000_000)
+
+    async def main(emu: WanEmulator) -> bytes:
+        got = bytearray()
+        done = asyncio.Event()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            got.extend(await r.read(-1))
+            w.write(hashlib.sha256(got).digest())
+            await w.drain()
+            w.close()
+            await w.wait_closed()
+            done.set()
+
+        lsock = emu.socket("b")
+        lsock.bind((emu.addr_b, 0))
+        server = await asyncio.start_server(handle, sock=lsock)
+        csock = emu.socket("a")
+        csock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(csock, lsock.getsockname())
+        r, w = await asyncio.open_connection(sock=csock)
+        w.write(payload)
+        await w.drain()
+        w.write_eof()
+        digest = await r.read(-1)
+        w.close()
+        await w.wait_closed()
+        await asyncio.wait_for(done.wait(), 10)
+        server.close()
+        await server.wait_closed()
+        return digest
+
+    with WanEmulator(rate_bps=2e8, rtt_ms=10) as emu:
+        coro = asyncio.wait_for(main(emu), 30)
+        digest = uvloop.run(coro) if uvloop is not None else asyncio.run(coro)
+    assert digest == hashlib.sha256(payload).digest()
