@@ -171,6 +171,7 @@ class WanEmulator:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 pass_fds=(fd_a, fd_b),
+                start_new_session=True,  # a terminal Ctrl-C reaches the owner, which tears down
                 env=env,
             )
         finally:
