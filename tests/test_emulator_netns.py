@@ -43,6 +43,13 @@ def _ns_exists(name: str) -> bool:
     return netns_mod.namespace_exists(name)
 
 
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
 class Receiver:
     """A server socket in side B that accepts one connection and records it."""
 
@@ -358,3 +365,35 @@ def test_asyncio_endpoints_on_both_sides(use_uvloop: bool) -> None:
         coro = asyncio.wait_for(main(emu), 30)
         digest = uvloop.run(coro) if uvloop is not None else asyncio.run(coro)
     assert digest == hashlib.sha256(payload).digest()
+
+
+@needs_netns
+def test_owner_killed_leaves_namespaces_that_cleanup_stale_removes() -> None:
+    script = (
+        "import json,time\n"
+        "from kvbridge.transport.emulator import WanEmulator\n"
+        "e=WanEmulator(rtt_ms=2).start()\n"
+        "print(json.dumps([e.ns_a,e.ns_b,e._fwd.pid]),flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert owner.stdout is not None
+    ns_a, ns_b, fwd_pid = json.loads(owner.stdout.readline())
+    owner.kill()
+    owner.wait(10)
+    owner.stdout.close()
+    assert _ns_exists(ns_a) and _ns_exists(ns_b)
+    for _ in range(200):  # the forwarder notices its owner is gone (stdin EOF)
+        if _gone(fwd_pid):
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the forwarder outlived its owner")
+    removed = WanEmulator.cleanup_stale()
+    assert ns_a in removed and ns_b in removed
+    assert not _ns_exists(ns_a) and not _ns_exists(ns_b)
