@@ -66,7 +66,7 @@ def test_allocator_rejects_double_free_atomically() -> None:
 
 def test_lookup_insert_full_pages_only() -> None:
     c = RadixCache(P)
-    toks = seq(1, 2, 3) + [7, 7]  # 3 full pages + partial tail
+    toks = [*seq(1, 2, 3), 7, 7]  # 3 full pages + partial tail
     r = c.insert(toks, [10, 11, 12, 13])
     assert r.pages == (10, 11, 12) and r.uncached == (13,) and r.new_pages == 3
     m = c.lookup(toks)
