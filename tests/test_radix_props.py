@@ -101,7 +101,8 @@ class RadixModel(RuleBasedStateMachine):
     @rule(i=st.integers(0, 100))
     def release(self, i: int) -> None:
         pin, _ = self.pins.pop(i % len(self.pins))
-        self.cache.release(pin)
+        self.cache.release(pin)  # may evict down to the budget
+        self._sync_evictions()
 
     @rule(n=st.integers(0, 30))
     def evict(self, n: int) -> None:

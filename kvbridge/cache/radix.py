@@ -119,9 +119,10 @@ class CacheStats:
 class RadixCache:
     """Radix tree of cached KV pages keyed by chained page hashes.
 
-    ``budget_pages`` bounds the pages the tree holds: an insert past it
-    evicts unpinned LRU leaves (possibly the pages it just inserted, when
-    everything else is pinned).  With ``allocator``, evicted pages are freed
+    ``budget_pages`` bounds the pages the tree holds: an insert or a release
+    that leaves the tree above it evicts unpinned LRU leaves (possibly the
+    pages just inserted, when everything else is pinned); pinned pages may
+    hold the tree above the budget until they are released.  With ``allocator``, evicted pages are freed
     into it and :meth:`allocate` evicts to make room.
     """
 
@@ -229,6 +230,7 @@ class RadixCache:
             n = n.parent
         if node is not None and node.lock == 0 and not node.children:
             self._push(node)
+        self._enforce_budget()
 
     # ---- insert ----------------------------------------------------------------
     def insert(self, tokens: TokenIds, pages: Sequence[int], *, pin: bool = False) -> InsertResult:
@@ -297,8 +299,7 @@ class RadixCache:
         self.stats.inserted_pages += new
         self.stats.duplicate_pages += len(dups)
         held = self.pin(parent) if pin else None
-        if self.budget_pages is not None and len(self._index) > self.budget_pages:
-            self.evict(len(self._index) - self.budget_pages)
+        self._enforce_budget()
         return InsertResult(tuple(out), new, tuple(dups), tuple(pages[n:]), held)
 
     # ---- eviction ----------------------------------------------------------------
@@ -358,6 +359,10 @@ class RadixCache:
         assert pinned == self._pinned
 
     # ---- internals -----------------------------------------------------------------
+    def _enforce_budget(self) -> None:
+        if self.budget_pages is not None and len(self._index) > self.budget_pages:
+            self.evict(len(self._index) - self.budget_pages)
+
     def _touch(self, node: _Node) -> None:
         now = self._clock
         n: _Node | None = node
