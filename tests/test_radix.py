@@ -44,7 +44,7 @@ def test_hashes_are_stable_and_chained() -> None:
 @pytest.mark.parametrize("bad", [[-1], [1 << 31], [[1, 2]], [1.5]])
 def test_bad_token_ids_rejected(bad: list[object]) -> None:
     with pytest.raises(InvalidArgument):
-        page_hashes(bad, 1)
+        page_hashes(bad, 1)  # type: ignore[arg-type]
 
 
 def test_allocator_rejects_double_free_atomically() -> None:
