@@ -6,6 +6,8 @@ import struct
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvbridge.cache import PageAllocator, RadixCache
 from kvbridge.cache.negotiate import PrefixNegotiator, UnknownLease, make_query, suffix_range
@@ -272,3 +274,42 @@ def test_without_a_pin_the_race_is_real() -> None:
 def test_negotiator_needs_an_allocator() -> None:
     with pytest.raises(InvalidArgument):
         PrefixNegotiator(RadixCache(P))
+
+
+# ---- codec round trip over arbitrary valid messages ------------------------------
+u64 = st.integers(0, (1 << 64) - 1)
+u32 = st.integers(0, (1 << 32) - 1)
+
+
+@st.composite
+def queries(draw: st.DrawFn) -> PrefixQuery:
+    pt = draw(st.integers(1, 128))
+    n = draw(st.integers(0, 64))
+    ntok = draw(st.integers(n * pt, n * pt + pt - 1))
+    hashes = tuple(draw(st.lists(st.binary(min_size=16, max_size=16), min_size=n, max_size=n)))
+    return PrefixQuery(draw(u64), ntok, pt, hashes, draw(u32))
+
+
+replies = st.builds(
+    lambda rid, pt, lease, matched, ms, tok: PrefixReply(
+        rid, ReplyStatus.OK, pt, lease, matched, ms, tok
+    ),
+    u64,
+    u32,
+    u64,
+    u32,
+    u32,
+    st.binary(max_size=256),
+)
+cancels = st.builds(PrefixCancel, u64, u64, st.sampled_from(list(CancelReason)))
+
+
+@given(st.one_of(queries(), replies, cancels))
+def test_codec_round_trip(msg: PrefixQuery | PrefixReply | PrefixCancel) -> None:
+    ftype, payload = encode_prefix_message(msg)
+    assert decode_prefix_message(ftype, payload) == msg
+    # every strict prefix of a payload is rejected, never misread
+    for cut in {0, 1, len(payload) // 2, len(payload) - 1}:
+        if cut < len(payload):
+            with pytest.raises(RemoteProtocolError):
+                decode_prefix_message(ftype, payload[:cut])
