@@ -313,3 +313,21 @@ def test_codec_round_trip(msg: PrefixQuery | PrefixReply | PrefixCancel) -> None
         if cut < len(payload):
             with pytest.raises(RemoteProtocolError):
                 decode_prefix_message(ftype, payload[:cut])
+
+
+def test_contradictory_hashes_are_served_uncached() -> None:
+    """A prefill whose hashes do not chain cannot corrupt the tree; its
+    request still completes from its own pages."""
+    neg = md()
+    good = toks(8)
+    neg.finish(neg.complete(neg.handle_query(make_query(1, good, P), 0.0).reply.lease_id))
+    h = neg.cache.hashes(good)
+    bad = PrefixQuery(2, 12, P, (b"\x07" * 16, h[1], b"\x08" * 16))  # h[1] under a wrong parent
+    out = neg.handle_query(bad, 0.0)
+    assert out.lease is not None and out.reply.matched_tokens == 0
+    done = neg.complete(out.reply.lease_id)
+    assert done.block_table == out.lease.block_table and done.owned_pages == out.lease.fresh_pages
+    neg.finish(done)
+    neg.cache.validate()
+    assert neg.cache.cached_pages == 2
+    assert neg.cache.allocator is not None and neg.cache.allocator.used_count == 2

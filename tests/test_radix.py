@@ -159,3 +159,15 @@ def test_insert_with_hashes_matches_token_insert() -> None:
     assert c.lookup_hashes(c.hashes(toks)[:2]).pages == (4, 3)
     with pytest.raises(InvalidArgument):
         c.lookup_hashes([b"short"])
+
+
+def test_insert_rejects_hashes_that_do_not_chain() -> None:
+    c = RadixCache(P)
+    hs = c.hashes(seq(1, 2))
+    c.insert_hashes(hs, [0, 1])
+    with pytest.raises(InvalidArgument):
+        c.insert_hashes([b"\x01" * 16, hs[1]], [5, 6])  # hs[1] already lives elsewhere
+    with pytest.raises(InvalidArgument):
+        c.insert_hashes([b"\x01" * 16, b"\x01" * 16], [5, 6])  # repeated hash
+    assert c.cached_pages == 2
+    c.validate()

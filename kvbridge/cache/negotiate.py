@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, KVBridgeError
 from ..layout import WireRange
 from .allocator import OutOfPages
 from .hashing import TokenIds, page_hashes
@@ -181,11 +181,24 @@ class PrefixNegotiator:
         pin that lasts until :meth:`finish`."""
         lease = self._pop(lease_id)
         c = self.cache
-        res = c.insert_hashes(lease.hashes, lease.block_table, pin=True)
+        try:
+            res = c.insert_hashes(lease.hashes, lease.block_table, pin=True)
+        except InvalidArgument:
+            # the query's hashes contradict the tree (a broken prefill): the
+            # request is served from its pages, which are not cached
+            return Completion(
+                request_id=lease.request_id,
+                num_tokens=lease.num_tokens,
+                matched_tokens=lease.matched_tokens,
+                block_table=lease.block_table,
+                owned_pages=lease.fresh_pages,
+                freed_duplicates=(),
+                pin=lease.pin,
+            )
         c.release(lease.pin)
-        assert res.pin is not None
-        if res.duplicates and c.allocator is not None:
-            c.allocator.free(res.duplicates)
+        if res.pin is None or c.allocator is None:
+            raise KVBridgeError("internal: insert(pin=True) returned no pin")
+        c.allocator.free(res.duplicates)
         return Completion(
             request_id=lease.request_id,
             num_tokens=lease.num_tokens,
@@ -245,7 +258,8 @@ class PrefixNegotiator:
         Returns the freed pages.
         """
         c = self.cache
-        assert c.allocator is not None
+        if c.allocator is None:
+            raise KVBridgeError("internal: the cache lost its allocator")
         if (hashes is None) != (block_table is None):
             raise InvalidArgument("pass both hashes and block_table, or neither")
         if hashes is not None and block_table is not None:

@@ -267,9 +267,13 @@ class RadixCache:
                 raise InvalidArgument(f"page {pages[i]} is already cached under another prefix")
             if node is None:
                 # everything below a new node is new as well
+                tail = hashes[i:]
+                if len(set(tail)) != len(tail) or any(h2 in self._index for h2 in tail):
+                    raise InvalidArgument("the page hashes do not form one chain")
                 for j in range(i + 1, n):
-                    o = self._owner.get(pages[j])
-                    if o is not None:
+                    if not isinstance(hashes[j], bytes) or len(hashes[j]) != HASH_BYTES:
+                        raise InvalidArgument(f"a page hash is {HASH_BYTES} bytes")
+                    if pages[j] in self._owner:
                         raise InvalidArgument(f"page {pages[j]} is already cached")
                 plan.extend([None] * (n - i))
                 break
@@ -340,23 +344,28 @@ class RadixCache:
 
     # ---- checks ------------------------------------------------------------------
     def validate(self) -> None:
-        """Check the internal invariants (tests call this)."""
+        """Check the internal invariants; raises ``AssertionError`` (tests call this)."""
+
+        def check(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"radix cache invariant broken: {what}")
+
         seen = 0
         pinned = 0
         stack = list(self._top.values())
         while stack:
             node = stack.pop()
             seen += 1
-            assert node.alive and self._index[node.key] is node
-            assert self._owner[node.page] is node
+            check(node.alive and self._index.get(node.key) is node, "index")
+            check(self._owner.get(node.page) is node, "page owner")
             below = sum(c.lock for c in node.children.values())
-            assert node.lock >= below, "a child holds more pins than its parent"
+            check(node.lock >= below, "a child holds more pins than its parent")
             pinned += node.lock > 0
             for c in node.children.values():
-                assert c.parent is node and c.depth == node.depth + 1
+                check(c.parent is node and c.depth == node.depth + 1, "parent link")
                 stack.append(c)
-        assert seen == len(self._index) == len(self._owner)
-        assert pinned == self._pinned
+        check(seen == len(self._index) == len(self._owner), "orphan nodes")
+        check(pinned == self._pinned, "pinned page count")
 
     # ---- internals -----------------------------------------------------------------
     def _enforce_budget(self) -> None:
