@@ -171,3 +171,12 @@ def test_insert_rejects_hashes_that_do_not_chain() -> None:
         c.insert_hashes([b"\x01" * 16, b"\x01" * 16], [5, 6])  # repeated hash
     assert c.cached_pages == 2
     c.validate()
+
+
+def test_lru_heap_stays_bounded_under_lookups() -> None:
+    c = RadixCache(P)
+    c.insert(seq(1, 2), [0, 1])
+    for _ in range(10_000):
+        c.lookup(seq(1, 2))
+    assert len(c._heap) <= 4 * c.cached_pages + 65
+    assert c.evict(1) == [1]

@@ -311,9 +311,8 @@ class RadixCache:
         """Evict up to ``n_pages`` unpinned pages, LRU leaves first.  Returns
         the evicted page ids (already freed into the allocator, if any)."""
         out: list[int] = []
-        heap = self._heap
-        while len(out) < n_pages and heap:
-            last, _, node = heapq.heappop(heap)
+        while len(out) < n_pages and self._heap:  # _push may rebuild the heap
+            last, _, node = heapq.heappop(self._heap)
             if not node.alive or node.children or node.lock or node.last != last:
                 continue
             node.alive = False
@@ -328,8 +327,6 @@ class RadixCache:
         self.stats.evicted_pages += len(out)
         if self.allocator is not None and out:
             self.allocator.free(out)
-        if len(heap) > 4 * len(self._index) + 64:
-            self._rebuild_heap()
         return out
 
     def allocate(self, n: int) -> list[int]:
@@ -384,6 +381,8 @@ class RadixCache:
     def _push(self, node: _Node) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (node.last, self._seq, node))
+        if len(self._heap) > 4 * len(self._index) + 64:
+            self._rebuild_heap()  # drop stale entries; amortised O(1) per push
 
     def _rebuild_heap(self) -> None:
         self._heap = []
