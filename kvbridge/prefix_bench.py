@@ -34,7 +34,7 @@ from .cache.negotiate import PrefixNegotiator
 from .cache.prefix_messages import PrefixQuery
 from .errors import InvalidArgument
 from .layout import KVLayout
-from .router import BandwidthEstimator, Decision, Router, RouterConfig
+from .router import BandwidthEstimator, Decision, Pipeline, Router, RouterConfig
 from .trace import Trace, TraceRequest
 
 __all__ = ["PrefixBenchReport", "RequestRecord", "run_prefix_bench"]
@@ -59,8 +59,8 @@ class PrefixBenchReport:
     page_tokens: int
     md_pages: int | None
     requests: int
-    bytes_without_radix: int
-    bytes_with_radix: int
+    bytes_without_radix: int  # every prompt's KV crosses
+    bytes_with_radix: int  # the suffixes that crossed (the anomalous filter sends none)
     p_mean_hit: float
     md_mean_hit: float
     p_token_hit: float
@@ -86,7 +86,8 @@ class PrefixBenchReport:
         gb = 1e9
         lines = [
             f"layout {self.layout}: {self.bytes_per_token} B/token, {self.page_tokens}-token pages, "
-            f"main-decode memory {self.md_pages if self.md_pages is not None else 'unbounded'} pages",
+            "main-decode memory "
+            + (f"{self.md_pages} pages" if self.md_pages is not None else "unbounded"),
             f"requests                {self.requests}",
             f"WAN bytes, no radix     {self.bytes_without_radix / gb:10.2f} GB",
             f"WAN bytes, radix        {self.bytes_with_radix / gb:10.2f} GB",
@@ -160,7 +161,7 @@ def run_prefix_bench(
     records: list[RequestRecord] = []
     p_rates: list[float] = []
     md_rates: list[float] = []
-    p_tok = md_tok = all_tok = 0
+    p_tok = md_tok = all_tok = sent = 0
     no_space = 0
     reasons: Counter[str] = Counter()
     rid_num = 0
@@ -184,10 +185,19 @@ def run_prefix_bench(
             d = router.decide(
                 req.request_id, n, md_hit, req.output_tokens, queued_bytes=int(queued)
             )
-            start = max(now, link_free)
-            xfer = nbytes / wan_bps
-            link_free = start + xfer
-            push(link_free, landed, (req, out.lease, nbytes, xfer, link_free - now))
+            if d.pipeline is Pipeline.P_RLD:
+                # the anomalous filter: finished on the relay, nothing crosses
+                if out.lease is not None:
+                    neg.abort(out.lease.lease_id)
+                nbytes, wait = 0, 0.0
+                push(now + req.output_tokens * decode_s_per_token, done, (req, None))
+            else:
+                start = max(now, link_free)
+                xfer = nbytes / wan_bps
+                link_free = start + xfer
+                wait = link_free - now
+                push(link_free, landed, (req, out.lease, nbytes, xfer))
+            sent += nbytes
             p_rates.append(p_hit / n if n else 0.0)
             md_rates.append(md_hit / n if n else 0.0)
             p_tok += p_hit
@@ -196,10 +206,10 @@ def run_prefix_bench(
             reasons[d.reason.value] += 1
             if keep_records:
                 records.append(
-                    RequestRecord(req.request_id, now, n, p_hit, md_hit, nbytes, link_free - now, d)
+                    RequestRecord(req.request_id, now, n, p_hit, md_hit, nbytes, wait, d)
                 )
         elif kind == landed:
-            req, lease, nbytes, xfer, _ = payload
+            req, lease, nbytes, xfer = payload
             if xfer > 0:
                 router.observe_transfer(nbytes, xfer)
             comp = neg.complete(lease.lease_id) if lease is not None else None
@@ -223,7 +233,7 @@ def run_prefix_bench(
         md_pages=md_pages,
         requests=total,
         bytes_without_radix=all_tok * bpt,
-        bytes_with_radix=(all_tok - md_tok) * bpt,
+        bytes_with_radix=sent,
         p_mean_hit=sum(p_rates) / max(total, 1),
         md_mean_hit=sum(md_rates) / max(total, 1),
         p_token_hit=p_tok / max(all_tok, 1),

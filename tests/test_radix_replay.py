@@ -85,3 +85,21 @@ def test_cli_on_a_user_trace(
     figures = json.loads(out.read_text())
     assert len(figures["runs"]) == 2 and figures["runs"][0]["wan_reduction"] >= 8
     assert "reduction" in capsys.readouterr().out
+
+
+def test_filtered_requests_send_nothing_and_are_not_cached(demo_trace: Trace) -> None:
+    cfg = RouterConfig(
+        ttft_target_s=0.05,
+        anomalous_filter=True,
+        anomalous_min_input_tokens=1024,
+        anomalous_max_output_tokens=500,
+        anomalous_max_share=0.3,
+    )
+    rep = run_prefix_bench(demo_trace, LAYOUT, md_pages=None, router_config=cfg)
+    filtered = [r for r in rep.records if r.decision.pipeline.value == "P-RLD"]
+    assert filtered and len(filtered) <= 0.3 * rep.requests
+    assert all(r.wan_bytes == 0 for r in filtered)
+    assert rep.bytes_with_radix == sum(r.wan_bytes for r in rep.records)
+    # what the relay finished is missing on the main decode: its hit rate slips
+    plain = run_prefix_bench(demo_trace, LAYOUT, md_pages=None)
+    assert rep.md_token_hit < plain.md_token_hit
