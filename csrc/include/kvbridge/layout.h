@@ -47,8 +47,10 @@ typedef struct kvb_range {
   int64_t token_end;         /* one past the last token */
   int32_t layer_start;
   int32_t layer_end;
-  const int32_t* block_table;/* block_table[i]: page holding tokens [i*pt, (i+1)*pt);
-                                host memory for CPU caches, device memory for CUDA */
+  const int32_t* block_table;/* block_table[i]: page holding tokens [i*pt, (i+1)*pt).
+                                Always host memory, also for CUDA caches: the core
+                                validates it on the host and stages the entries
+                                the range covers to the device itself. */
   int64_t block_table_len;
 } kvb_range;
 

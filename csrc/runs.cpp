@@ -1,0 +1,29 @@
+#include "runs.h"
+
+#include <algorithm>
+
+namespace kvb {
+
+std::vector<TokenRun> token_runs(const Geometry& g, const int32_t* block_table) {
+  std::vector<TokenRun> runs;
+  if (g.num_tokens <= 0) return runs;
+  runs.reserve(static_cast<size_t>(g.num_blocks));
+  const int64_t end = g.token_start + g.num_tokens;
+  for (int64_t b = g.first_block; b < g.first_block + g.num_blocks; ++b) {
+    const int64_t a0 = std::max(b * g.page_tokens, g.token_start);
+    const int64_t a1 = std::min((b + 1) * g.page_tokens, end);
+    const int64_t off = static_cast<int64_t>(block_table[b]) * g.stride_page +
+                        (a0 - b * g.page_tokens) * g.stride_token;
+    if (!runs.empty()) {
+      TokenRun& last = runs.back();
+      if (last.off + (last.t1 - last.t0) * g.stride_token == off) {
+        last.t1 = a1 - g.token_start;
+        continue;
+      }
+    }
+    runs.push_back(TokenRun{a0 - g.token_start, a1 - g.token_start, off});
+  }
+  return runs;
+}
+
+}  // namespace kvb
