@@ -138,6 +138,8 @@ class PagedKVCache:
         if any((_is_tensor(a)) != (self._backend == "torch") for a in arrays):
             raise InvalidArgument("cache arrays mix numpy and torch")
         self._device = _device_of(arrays[0])
+        if self._device != "cpu" and not self._device.startswith("cuda:"):
+            raise InvalidArgument(f"caches live on the CPU or a CUDA device, not {self._device}")
         if any(_device_of(a) != self._device for a in arrays):
             raise InvalidArgument("cache arrays are on different devices")
         for a in arrays:
