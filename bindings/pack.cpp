@@ -84,8 +84,8 @@ Result finish(int rc) {
 
 template <bool kPack, typename Wire>
 Result run(const CacheDesc& desc, const Table& table, int64_t token_start, int64_t token_end,
-           int32_t layer_start, int32_t layer_end, uint64_t wire_offset, Wire wire,
-           uint64_t nbytes, int32_t num_threads, uint64_t stream) {
+           int32_t layer_start, int32_t layer_end, uint64_t wire_offset, Wire wire, uint64_t nbytes,
+           int32_t num_threads, uint64_t stream) {
   std::string why;
   if (!device_fits(desc.get()->device, wire.device_type(), wire.device_id(), &why)) {
     return {KVB_ERR_INVALID_ARG, why};
@@ -125,14 +125,14 @@ void register_pack(nb::module_& m) {
            nb::arg("stride_head"), nb::arg("device"));
 
   m.def("pack", &run<true, WireOut>, nb::arg("desc"), nb::arg("block_table").noconvert(),
-        nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"),
-        nb::arg("layer_end"), nb::arg("wire_offset"), nb::arg("out").noconvert(),
-        nb::arg("nbytes"), nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"),
+        nb::arg("wire_offset"), nb::arg("out").noconvert(), nb::arg("nbytes"),
+        nb::arg("num_threads"), nb::arg("stream"),
         "Gather wire bytes [wire_offset, +nbytes) into out; returns (status, message).");
   m.def("unpack", &run<false, WireIn>, nb::arg("desc"), nb::arg("block_table").noconvert(),
-        nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"),
-        nb::arg("layer_end"), nb::arg("wire_offset"), nb::arg("src").noconvert(),
-        nb::arg("nbytes"), nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"),
+        nb::arg("wire_offset"), nb::arg("src").noconvert(), nb::arg("nbytes"),
+        nb::arg("num_threads"), nb::arg("stream"),
         "Scatter wire bytes [wire_offset, +nbytes) from src; returns (status, message).");
   m.def(
       "validate",
@@ -142,8 +142,8 @@ void register_pack(nb::module_& m) {
         return finish(kvb_validate(desc.get(), &r, wire_offset, nbytes));
       },
       nb::arg("desc"), nb::arg("block_table").noconvert(), nb::arg("token_start"),
-      nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"),
-      nb::arg("wire_offset"), nb::arg("nbytes"));
+      nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"), nb::arg("wire_offset"),
+      nb::arg("nbytes"));
   m.def(
       "wire_nbytes",
       [](const CacheDesc& desc, int64_t token_start, int64_t token_end, int32_t layer_start,

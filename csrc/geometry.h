@@ -18,11 +18,11 @@ struct Geometry {
   int64_t page_tokens = 0;
   int64_t token_start = 0;
   int64_t num_tokens = 0;
-  int64_t token_bytes = 0;  // num_heads * head_bytes: one token of one (layer, component)
-  int64_t block_bytes = 0;  // num_tokens * token_bytes: one (layer, component) of the wire
-  uint64_t total_bytes = 0; // the whole wire buffer of the range
-  int64_t first_block = 0;  // block-table entries [first_block, first_block + num_blocks)
-  int64_t num_blocks = 0;   //   cover the range
+  int64_t token_bytes = 0;   // num_heads * head_bytes: one token of one (layer, component)
+  int64_t block_bytes = 0;   // num_tokens * token_bytes: one (layer, component) of the wire
+  uint64_t total_bytes = 0;  // the whole wire buffer of the range
+  int64_t first_block = 0;   // block-table entries [first_block, first_block + num_blocks)
+  int64_t num_blocks = 0;    //   cover the range
   int64_t stride_component = 0;
   int64_t stride_page = 0;
   int64_t stride_token = 0;

@@ -46,10 +46,14 @@ inline void move_heads_fixed(uint8_t* wire, uint8_t* tok, int64_t heads, int64_t
 template <bool kPack>
 inline void move_heads(uint8_t* wire, uint8_t* tok, const Geometry& g) {
   switch (g.head_bytes) {
-    case 64: return move_heads_fixed<kPack, 64>(wire, tok, g.num_heads, g.stride_head);
-    case 128: return move_heads_fixed<kPack, 128>(wire, tok, g.num_heads, g.stride_head);
-    case 256: return move_heads_fixed<kPack, 256>(wire, tok, g.num_heads, g.stride_head);
-    case 512: return move_heads_fixed<kPack, 512>(wire, tok, g.num_heads, g.stride_head);
+    case 64:
+      return move_heads_fixed<kPack, 64>(wire, tok, g.num_heads, g.stride_head);
+    case 128:
+      return move_heads_fixed<kPack, 128>(wire, tok, g.num_heads, g.stride_head);
+    case 256:
+      return move_heads_fixed<kPack, 256>(wire, tok, g.num_heads, g.stride_head);
+    case 512:
+      return move_heads_fixed<kPack, 512>(wire, tok, g.num_heads, g.stride_head);
     default:
       for (int64_t h = 0; h < g.num_heads; ++h) {
         move<kPack>(wire + h * g.head_bytes, tok + h * g.stride_head,
@@ -80,8 +84,8 @@ void move_token_part(const Job& j, uint64_t blk_pos, uint8_t* tok, uint64_t x0, 
 // One token run of (layer, component) block at wire position blk_pos,
 // clipped to the block-relative wire bytes [blo, bhi).
 template <bool kPack>
-void move_run(const Job& j, const TokenRun& run, uint8_t* comp_base, uint64_t blk_pos,
-              uint64_t blo, uint64_t bhi) {
+void move_run(const Job& j, const TokenRun& run, uint8_t* comp_base, uint64_t blk_pos, uint64_t blo,
+              uint64_t bhi) {
   const Geometry& g = j.g;
   const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
   const uint64_t w0 = std::max(static_cast<uint64_t>(run.t0) * tokb, blo);
@@ -146,8 +150,8 @@ int thread_count(const kvb_exec* exec, uint64_t nbytes) {
 }
 
 template <bool kPack>
-int run_cpu(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
-            void* wire, uint64_t nbytes, const kvb_exec* exec) {
+int run_cpu(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset, void* wire,
+            uint64_t nbytes, const kvb_exec* exec) {
   if (exec != nullptr && exec->num_threads < 0) {
     return failf(KVB_ERR_INVALID_ARG, "num_threads must be >= 0, got %d", exec->num_threads);
   }

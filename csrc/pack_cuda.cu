@@ -77,8 +77,8 @@ int check_pointer(const void* p, int device, bool host_ok, const char* what) {
 }
 
 template <bool kPack>
-int run_cuda(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
-             void* wire, uint64_t nbytes, const kvb_exec* exec) {
+int run_cuda(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset, void* wire,
+             uint64_t nbytes, const kvb_exec* exec) {
   Geometry g;
   int rc = validate(cache, range, wire_offset, nbytes, wire, true,
                     kPack ? Access::kRead : Access::kWrite, &g);
@@ -102,7 +102,8 @@ int run_cuda(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
 
   const int64_t nlayers = g.layer_end - g.layer_start;
   for (int64_t l = g.layer_start; l < g.layer_end; ++l) {
-    if ((rc = check_pointer(cache->layer_base[l], cache->device, false, "a cache layer")) != KVB_OK) {
+    if ((rc = check_pointer(cache->layer_base[l], cache->device, false, "a cache layer")) !=
+        KVB_OK) {
       return rc;
     }
   }
@@ -128,10 +129,10 @@ int run_cuda(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
   // From pageable memory: the copy has consumed `host` when the call returns.
   e = cudaMemcpyAsync(staged, host.data(), host.size(), cudaMemcpyHostToDevice, stream);
 
-  const RowCopy d = make_row_copy(
-      g, wire_offset, nbytes, static_cast<const uint64_t*>(staged),
-      reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(staged) + ptr_bytes),
-      static_cast<uint8_t*>(wire), aligned);
+  const RowCopy d =
+      make_row_copy(g, wire_offset, nbytes, static_cast<const uint64_t*>(staged),
+                    reinterpret_cast<const int32_t*>(static_cast<uint8_t*>(staged) + ptr_bytes),
+                    static_cast<uint8_t*>(wire), aligned);
 
   if (e == cudaSuccess) {
     int sms = 0;

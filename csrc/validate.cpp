@@ -73,8 +73,7 @@ int validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
     return failf(KVB_ERR_INVALID_ARG, "cache descriptor abi_version %d, this library speaks %d",
                  c.abi_version, KVB_ABI_VERSION);
   }
-  if (c.num_layers <= 0 || c.num_heads <= 0 ||
-      (c.num_components != 1 && c.num_components != 2)) {
+  if (c.num_layers <= 0 || c.num_heads <= 0 || (c.num_components != 1 && c.num_components != 2)) {
     return failf(KVB_ERR_LAYOUT, "bad cache dims: num_layers=%d num_components=%d num_heads=%d",
                  c.num_layers, c.num_components, c.num_heads);
   }
@@ -92,8 +91,8 @@ int validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
   }
   if (c.layer_base == nullptr) return fail(KVB_ERR_INVALID_ARG, "layer_base is null");
   if (r.token_start < 0 || r.token_end < r.token_start) {
-    return failf(KVB_ERR_INVALID_ARG, "bad token range [%" PRId64 ", %" PRId64 ")",
-                 r.token_start, r.token_end);
+    return failf(KVB_ERR_INVALID_ARG, "bad token range [%" PRId64 ", %" PRId64 ")", r.token_start,
+                 r.token_end);
   }
   if (r.layer_start < 0 || r.layer_end < r.layer_start || r.layer_end > c.num_layers) {
     return failf(KVB_ERR_INVALID_ARG, "bad layer range [%d, %d) for a cache of %d layers",
@@ -136,7 +135,8 @@ int validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
 
   if (geo.num_tokens > 0) {
     for (int64_t l = geo.layer_start; l < geo.layer_end; ++l) {
-      if (c.layer_base[l] == nullptr) return failf(KVB_ERR_INVALID_ARG, "layer_base[%" PRId64 "] is null", l);
+      if (c.layer_base[l] == nullptr)
+        return failf(KVB_ERR_INVALID_ARG, "layer_base[%" PRId64 "] is null", l);
     }
     geo.first_block = r.token_start / c.page_tokens;
     const int64_t last_block = (r.token_end - 1) / c.page_tokens;
@@ -152,8 +152,8 @@ int validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
       const int32_t p = r.block_table[i];
       if (p < 0 || p >= c.num_pages) {
         return failf(KVB_ERR_OUT_OF_RANGE,
-                     "block_table[%" PRId64 "] = %d is outside the cache's %" PRId64 " pages", i,
-                     p, c.num_pages);
+                     "block_table[%" PRId64 "] = %d is outside the cache's %" PRId64 " pages", i, p,
+                     c.num_pages);
       }
     }
     if (cache_access == Access::kWrite && geo.num_blocks > 1) {
@@ -203,8 +203,7 @@ extern "C" int kvb_validate(const kvb_cache_desc* cache, const kvb_range* range,
                             uint64_t wire_offset, uint64_t nbytes) {
   KVB_GUARD_BEGIN
   kvb::Geometry g;
-  return kvb::validate(cache, range, wire_offset, nbytes, nullptr, false, kvb::Access::kWrite,
-                       &g);
+  return kvb::validate(cache, range, wire_offset, nbytes, nullptr, false, kvb::Access::kWrite, &g);
   KVB_GUARD_END
 }
 

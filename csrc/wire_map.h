@@ -34,14 +34,14 @@ struct RowCopy {
   int64_t stride_page;
   int64_t stride_token;
   int64_t stride_head;
-  uint64_t lo;                  // wire positions [lo, hi) of the slice
+  uint64_t lo;  // wire positions [lo, hi) of the slice
   uint64_t hi;
-  uint64_t row_first;           // lo / token_bytes
-  uint64_t num_rows;            // rows the slice touches
-  const uint64_t* layer_base;   // [layer - layer_start]
-  const int32_t* pages;         // [block - first_block]
-  uint8_t* wire;                // the byte at wire position lo
-  int32_t vector_ok;            // 16-byte units are aligned on both sides
+  uint64_t row_first;          // lo / token_bytes
+  uint64_t num_rows;           // rows the slice touches
+  const uint64_t* layer_base;  // [layer - layer_start]
+  const int32_t* pages;        // [block - first_block]
+  uint8_t* wire;               // the byte at wire position lo
+  int32_t vector_ok;           // 16-byte units are aligned on both sides
 };
 
 // Address in the cache of the first byte of row `row`.
@@ -113,7 +113,8 @@ KVB_HD void copy_row(const RowCopy& d, uint64_t row, uint32_t lane, uint32_t lan
         const uint64_t s = x0 > a ? x0 : a;
         const uint64_t e = x0 + 16 < b ? x0 + 16 : b;
         // A 16-byte unit never straddles heads (head_bytes % 16 == 0).
-        move_bytes<kPack>(d.wire + (row_pos + s - d.lo), row_byte_addr(d, tok, s), static_cast<int>(e - s));
+        move_bytes<kPack>(d.wire + (row_pos + s - d.lo), row_byte_addr(d, tok, s),
+                          static_cast<int>(e - s));
       }
     }
   } else {

@@ -33,6 +33,7 @@ from .errors import (
 )
 from .layout import DType, KVLayout, MemoryOrder
 
+_core: Any
 try:
     from . import _core
 
@@ -133,7 +134,9 @@ class PagedKVCache:
             )
         for a in arrays:
             if not (isinstance(a, np.ndarray) or _is_tensor(a)):
-                raise InvalidArgument(f"cache arrays must be numpy or torch, got {type(a).__name__}")
+                raise InvalidArgument(
+                    f"cache arrays must be numpy or torch, got {type(a).__name__}"
+                )
         self._backend = "torch" if _is_tensor(arrays[0]) else "numpy"
         if any((_is_tensor(a)) != (self._backend == "torch") for a in arrays):
             raise InvalidArgument("cache arrays mix numpy and torch")

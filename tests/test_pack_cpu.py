@@ -4,6 +4,7 @@ chunked unpack (odd boundaries, shuffled) into a cache of another layout."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -40,12 +41,23 @@ RECEIVER_PT = {1: 16, 16: 64, 64: 1, 128: 16}
 def make_layout(dtype: str, order: str, head: str, mla: bool, pt: int, stacked: bool) -> KVLayout:
     if mla:
         return KVLayout(
-            num_layers=3, num_kv_heads=1, head_dim=24, dtype=dtype, page_tokens=pt, mla=True,
+            num_layers=3,
+            num_kv_heads=1,
+            head_dim=24,
+            dtype=dtype,
+            page_tokens=pt,
+            mla=True,
             stacked=stacked,
         )
     return KVLayout(
-        num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype, page_tokens=pt, order=order,
-        head_order=head, stacked=stacked,
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=dtype,
+        page_tokens=pt,
+        order=order,
+        head_order=head,
+        stacked=stacked,
     )
 
 
@@ -72,7 +84,7 @@ def snapshot(cache: PagedKVCache) -> list[bytes]:
 
 def chunk_bounds(total: int, rng: random.Random, n: int = 6) -> list[tuple[int, int]]:
     cuts = sorted({0, total, *(rng.randrange(total + 1) for _ in range(n))})
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def as_numpy(buf: object) -> np.ndarray:
@@ -80,7 +92,9 @@ def as_numpy(buf: object) -> np.ndarray:
 
 
 @pytest.mark.parametrize("pt", PAGE_TOKENS)
-@pytest.mark.parametrize("order,head,mla", ORDERS, ids=["vllm-NHD", "vllm-HND", "fi-NHD", "fi-HND", "mla"])
+@pytest.mark.parametrize(
+    "order,head,mla", ORDERS, ids=["vllm-NHD", "vllm-HND", "fi-NHD", "fi-HND", "mla"]
+)
 @pytest.mark.parametrize("dtype,backend", DTYPES, ids=[f"{d}-{b}" for d, b in DTYPES])
 def test_pack_unpack_match_reference(
     dtype: str, backend: str, order: str, head: str, mla: bool, pt: int
@@ -132,7 +146,9 @@ def test_empty_range(backend: str) -> None:
 
 
 def test_slices_into_one_buffer_and_bytes_like_sources() -> None:
-    lay = KVLayout(num_layers=2, num_kv_heads=3, head_dim=5, dtype="fp16", page_tokens=7, head_order="HND")
+    lay = KVLayout(
+        num_layers=2, num_kv_heads=3, head_dim=5, dtype="fp16", page_tokens=7, head_order="HND"
+    )
     cache = PagedKVCache.allocate(lay, 6, fill="random", seed=3)
     bt = [5, 0, 3, 1, 4]
     full = ref_pack(cache, bt, 4, 33).numpy()

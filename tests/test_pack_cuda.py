@@ -4,6 +4,7 @@ a GPU is present and kvbridge was built with CUDA."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -22,12 +23,22 @@ pytestmark = [
 ]
 
 LAYOUTS = {
-    "vllm-NHD-bf16": KVLayout(num_layers=3, num_kv_heads=4, head_dim=64, dtype="bf16", page_tokens=16),
-    "fi-HND-fp16": KVLayout(
-        num_layers=2, num_kv_heads=2, head_dim=128, dtype="fp16", page_tokens=64,
-        order="page_first", head_order="HND", stacked=True,
+    "vllm-NHD-bf16": KVLayout(
+        num_layers=3, num_kv_heads=4, head_dim=64, dtype="bf16", page_tokens=16
     ),
-    "mla-fp8": KVLayout(num_layers=2, num_kv_heads=1, head_dim=576, dtype="fp8_e4m3", page_tokens=64, mla=True),
+    "fi-HND-fp16": KVLayout(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype="fp16",
+        page_tokens=64,
+        order="page_first",
+        head_order="HND",
+        stacked=True,
+    ),
+    "mla-fp8": KVLayout(
+        num_layers=2, num_kv_heads=1, head_dim=576, dtype="fp8_e4m3", page_tokens=64, mla=True
+    ),
     "odd-fp32": KVLayout(num_layers=2, num_kv_heads=3, head_dim=5, dtype="fp32", page_tokens=7),
 }
 
@@ -36,7 +47,9 @@ def setup(name: str, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor, int, in
     lay = LAYOUTS[name]
     start, end = lay.page_tokens // 2 + 1, 5 * lay.page_tokens - 3
     pages = lay.pages_for(end)
-    cache = PagedKVCache.allocate(lay, pages + 4, backend="torch", device="cuda:0", fill="random", seed=seed)
+    cache = PagedKVCache.allocate(
+        lay, pages + 4, backend="torch", device="cuda:0", fill="random", seed=seed
+    )
     bt = torch.randperm(pages + 4, generator=torch.Generator().manual_seed(seed))[:pages]
     return cache, bt, start, end
 
@@ -62,7 +75,7 @@ def test_cuda_slices_and_chunked_unpack(name: str, where: str) -> None:
     total = int(ref.numel())
     rng = random.Random(7)
     cuts = sorted({0, total, *(rng.randrange(total) | 1 for _ in range(6))})
-    pieces = list(zip(cuts, cuts[1:]))
+    pieces = list(itertools.pairwise(cuts))
     # Pack each odd slice into its own buffer (misaligned against the wire).
     parts = {}
     for a, b in pieces:

@@ -43,7 +43,7 @@ def unchanged(cache: PagedKVCache, fn: Callable[[], object], exc: type[Exception
     with pytest.raises(exc) as info:
         fn()
     assert str(info.value)
-    for a, b in zip(before, cache.layer_views()):
+    for a, b in zip(before, cache.layer_views(), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -76,14 +76,20 @@ def test_aliased_layers_on_unpack_are_overlap(wire: np.ndarray) -> None:
 
 def test_wire_buffer_inside_the_cache_is_overlap(cache: PagedKVCache) -> None:
     inside = cache.layer_views()[1].reshape(-1).view(np.uint8)
-    unchanged(cache, lambda: pack(cache, BT, START, END, out=inside, nbytes=100), errors.OverlapError)
+    unchanged(
+        cache, lambda: pack(cache, BT, START, END, out=inside, nbytes=100), errors.OverlapError
+    )
     unchanged(cache, lambda: unpack(cache, BT, START, END, inside[:100]), errors.OverlapError)
 
 
 @pytest.mark.parametrize(
     "table,exc",
-    [([1.0, 2.0, 0.0, 3.0], errors.DTypeError), ([[3, 1], [0, 2]], errors.ShapeError),
-     (["a", "b"], errors.DTypeError), (torch.tensor([3.0, 1.0]), errors.DTypeError)],
+    [
+        ([1.0, 2.0, 0.0, 3.0], errors.DTypeError),
+        ([[3, 1], [0, 2]], errors.ShapeError),
+        (["a", "b"], errors.DTypeError),
+        (torch.tensor([3.0, 1.0]), errors.DTypeError),
+    ],
     ids=["float", "2d", "strings", "torch-float"],
 )
 def test_bad_block_table_types(cache: PagedKVCache, table: object, exc: type[Exception]) -> None:
@@ -101,7 +107,9 @@ def test_out_too_small(cache: PagedKVCache) -> None:
 
 
 def test_src_smaller_than_nbytes(cache: PagedKVCache, wire: np.ndarray) -> None:
-    unchanged(cache, lambda: unpack(cache, BT, START, END, wire[:10], nbytes=11), errors.BufferTooSmall)
+    unchanged(
+        cache, lambda: unpack(cache, BT, START, END, wire[:10], nbytes=11), errors.BufferTooSmall
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,7 +183,9 @@ def test_wrong_dtypes() -> None:
     with pytest.raises(errors.DTypeError):
         PagedKVCache(bf16, [np.zeros(bf16.layer_shape(2), np.float16) for _ in range(2)])
     with pytest.raises(errors.DTypeError):
-        PagedKVCache(bf16, [torch.zeros(bf16.layer_shape(2), dtype=torch.float16) for _ in range(2)])
+        PagedKVCache(
+            bf16, [torch.zeros(bf16.layer_shape(2), dtype=torch.float16) for _ in range(2)]
+        )
     with pytest.raises(errors.DTypeError):  # torch takes real dtypes, not byte stand-ins
         PagedKVCache(bf16, [torch.zeros(bf16.layer_shape(2), dtype=torch.int16) for _ in range(2)])
     fp8 = LAYOUT.replace(dtype="fp8_e4m3")
@@ -190,7 +200,9 @@ def test_wrong_shapes() -> None:
     with pytest.raises(errors.ShapeError):
         PagedKVCache(LAYOUT, [np.zeros(good, np.float16)])  # one layer of two
     with pytest.raises(errors.ShapeError):
-        PagedKVCache(LAYOUT, [np.zeros(good, np.float16), np.zeros(LAYOUT.layer_shape(4), np.float16)])
+        PagedKVCache(
+            LAYOUT, [np.zeros(good, np.float16), np.zeros(LAYOUT.layer_shape(4), np.float16)]
+        )
     with pytest.raises(errors.ShapeError):
         PagedKVCache(LAYOUT, [np.zeros((*good, 1), np.float16)] * 2)
     with pytest.raises(errors.ShapeError):

@@ -3,6 +3,8 @@ the torch reference, and chunked unpack in any order rebuilds the range."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -82,7 +84,7 @@ def test_random_layouts_round_trip(
     rbt = rng.permutation(rblocks + 1)[:rblocks]
     receiver = PagedKVCache.allocate(recv, rblocks + 1, backend="torch")
     cuts = sorted({0, ref.nbytes, *rng.integers(0, ref.nbytes + 1, size=4).tolist()})
-    pieces = list(zip(cuts, cuts[1:]))
+    pieces = list(itertools.pairwise(cuts))
     rng.shuffle(pieces)
     for lo, hi in pieces:
         unpack(receiver, rbt, start, end, ref[lo:hi], layers=layers, offset=lo)

@@ -21,15 +21,15 @@ namespace {
 int g_failures = 0;
 int g_checks = 0;
 
-#define CHECK(cond, ...)                                        \
-  do {                                                          \
-    ++g_checks;                                                 \
-    if (!(cond)) {                                              \
-      ++g_failures;                                             \
+#define CHECK(cond, ...)                                                   \
+  do {                                                                     \
+    ++g_checks;                                                            \
+    if (!(cond)) {                                                         \
+      ++g_failures;                                                        \
       std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                        \
-      std::fprintf(stderr, "\n");                               \
-    }                                                           \
+      std::fprintf(stderr, __VA_ARGS__);                                   \
+      std::fprintf(stderr, "\n");                                          \
+    }                                                                      \
   } while (0)
 
 enum class Order { kKvFirstNHD, kPageFirstNHD, kKvFirstHND, kPageFirstHND, kMLA };
@@ -48,8 +48,17 @@ struct TestCache {
 
 TestCache make_cache(int32_t layers, int32_t heads, int64_t hb, int64_t pt, int64_t pages,
                      Order order, bool stacked) {
-  TestCache c{layers, order == Order::kMLA ? 1 : 2, order == Order::kMLA ? 1 : heads, hb, pt,
-              pages, order, stacked, {}, {}, {}};
+  TestCache c{layers,
+              order == Order::kMLA ? 1 : 2,
+              order == Order::kMLA ? 1 : heads,
+              hb,
+              pt,
+              pages,
+              order,
+              stacked,
+              {},
+              {},
+              {}};
   const int64_t page_inner = c.pt * c.heads * c.hb;
   int64_t sc = 0, sp = 0, st = 0, sh = 0;
   const bool hnd = order == Order::kKvFirstHND || order == Order::kPageFirstHND;
@@ -57,10 +66,19 @@ TestCache make_cache(int32_t layers, int32_t heads, int64_t hb, int64_t pt, int6
   sh = hnd ? c.pt * c.hb : c.hb;
   switch (order) {
     case Order::kKvFirstNHD:
-    case Order::kKvFirstHND: sc = c.pages * page_inner; sp = page_inner; break;
+    case Order::kKvFirstHND:
+      sc = c.pages * page_inner;
+      sp = page_inner;
+      break;
     case Order::kPageFirstNHD:
-    case Order::kPageFirstHND: sc = page_inner; sp = 2 * page_inner; break;
-    case Order::kMLA: sc = 0; sp = page_inner; break;
+    case Order::kPageFirstHND:
+      sc = page_inner;
+      sp = 2 * page_inner;
+      break;
+    case Order::kMLA:
+      sc = 0;
+      sp = page_inner;
+      break;
   }
   // Per-layer tensors get a gap between them (and an odd shift when not
   // stacked) so that layer bases are not one constant stride apart.
@@ -151,10 +169,11 @@ void emulate_kernel(const Case& k, uint64_t lo, uint8_t* wire, uint64_t n, uint3
     ptrs.push_back(reinterpret_cast<uintptr_t>(k.cache.bases[static_cast<size_t>(l)]));
   }
   const bool aligned = kvb::row_copy_aligned(g, k.cache.desc.layer_base, wire, lo);
-  const kvb::RowCopy d = kvb::make_row_copy(g, lo, n, ptrs.data(), k.bt.data() + g.first_block,
-                                            wire, aligned);
+  const kvb::RowCopy d =
+      kvb::make_row_copy(g, lo, n, ptrs.data(), k.bt.data() + g.first_block, wire, aligned);
   for (uint64_t i = 0; i < d.num_rows; ++i)
-    for (uint32_t lane = 0; lane < lanes; ++lane) kvb::copy_row<kPack>(d, d.row_first + i, lane, lanes);
+    for (uint32_t lane = 0; lane < lanes; ++lane)
+      kvb::copy_row<kPack>(d, d.row_first + i, lane, lanes);
 }
 
 void test_roundtrips() {
