@@ -178,7 +178,9 @@ int run_cpu(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_o
                  cache->device);
   }
   if (nbytes == 0) return KVB_OK;
-  j.runs = token_runs(j.g, range->block_table);
+  int64_t t_lo = 0, t_hi = 0;
+  slice_tokens(j.g, wire_offset, wire_offset + nbytes, &t_lo, &t_hi);
+  j.runs = token_runs(j.g, range->block_table, t_lo, t_hi);
   j.layer_base = cache->layer_base;
   j.wire = static_cast<uint8_t*>(wire);
   j.wire_offset = wire_offset;

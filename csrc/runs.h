@@ -19,7 +19,13 @@ struct TokenRun {
 // Pages named by consecutive block-table entries coalesce into one run when
 // the next page begins exactly one token stride after the previous run ends.
 // `block_table` is the host table indexed by absolute block number.
-std::vector<TokenRun> token_runs(const Geometry& g, const int32_t* block_table);
+// Only tokens [t_lo, t_hi) (relative to the range start) are cut.
+std::vector<TokenRun> token_runs(const Geometry& g, const int32_t* block_table, int64_t t_lo,
+                                 int64_t t_hi);
+
+// The tokens (relative to the range start) that wire positions [lo, hi) touch:
+// a sub-range when the slice stays inside one (layer, component) block, else all.
+void slice_tokens(const Geometry& g, uint64_t lo, uint64_t hi, int64_t* t_lo, int64_t* t_hi);
 
 }  // namespace kvb
 

@@ -50,6 +50,31 @@ int check_strides(const kvb_cache_desc& c) {
   return KVB_OK;
 }
 
+// A page named twice would be written twice.  Linear with a bitmap of the
+// cache's pages when that is small next to the table; else sort.
+int check_unique(const int32_t* ids, int64_t n, int64_t num_pages, int64_t first_index) {
+  int32_t dup = -1;
+  if (num_pages / 64 <= 4 * n + 4096) {
+    std::vector<uint64_t> seen(static_cast<size_t>(num_pages / 64 + 1), 0);
+    for (int64_t i = 0; i < n && dup < 0; ++i) {
+      const uint64_t bit = uint64_t{1} << (ids[i] & 63);
+      uint64_t& word = seen[static_cast<size_t>(ids[i] >> 6)];
+      if (word & bit) dup = ids[i];
+      word |= bit;
+    }
+  } else {
+    std::vector<int32_t> sorted(ids, ids + n);
+    std::sort(sorted.begin(), sorted.end());
+    auto it = std::adjacent_find(sorted.begin(), sorted.end());
+    if (it != sorted.end()) dup = *it;
+  }
+  if (dup < 0) return KVB_OK;
+  return failf(KVB_ERR_OVERLAP,
+               "page %d appears twice in the block table entries [%" PRId64 ", %" PRId64
+               "]: two destinations would overlap",
+               dup, first_index, first_index + n - 1);
+}
+
 }  // namespace
 
 uint64_t layer_extent(const kvb_cache_desc& c) {
@@ -157,14 +182,10 @@ int validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
       }
     }
     if (cache_access == Access::kWrite && geo.num_blocks > 1) {
-      std::vector<int32_t> ids(r.block_table + geo.first_block, r.block_table + last_block + 1);
-      std::sort(ids.begin(), ids.end());
-      auto dup = std::adjacent_find(ids.begin(), ids.end());
-      if (dup != ids.end()) {
-        return failf(KVB_ERR_OVERLAP,
-                     "page %d appears twice in the block table entries [%" PRId64 ", %" PRId64
-                     "]: two destinations would overlap",
-                     *dup, geo.first_block, last_block);
+      if (int rc = check_unique(r.block_table + geo.first_block, geo.num_blocks, c.num_pages,
+                                geo.first_block);
+          rc != KVB_OK) {
+        return rc;
       }
     }
     // Layer regions (and the wire slice) must not overlap where we write.

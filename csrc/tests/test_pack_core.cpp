@@ -364,6 +364,19 @@ void test_errors() {
     CHECK(kvb_wire_nbytes(&b.cache.desc, &b.range) == 0, "empty range has no bytes");
   }
   expect(kvb_validate(&k.cache.desc, &k.range, 0, total), KVB_OK, "validate");
+  {
+    // A cache with millions of pages: the repeated-page check sorts instead
+    // of using a bitmap.  kvb_validate reads no cache memory.
+    kvb_cache_desc big = k.cache.desc;
+    big.num_pages = int64_t{1} << 22;
+    big.stride_component = big.stride_page;
+    big.stride_page = 2 * big.stride_component;
+    std::vector<int32_t> ids{7, 1 << 21, 5, (1 << 22) - 1};
+    kvb_range r{0, 16, 0, 1, ids.data(), 4};
+    expect(kvb_validate(&big, &r, 0, 0), KVB_OK, "unique pages of a large cache");
+    ids[2] = 1 << 21;
+    expect(kvb_validate(&big, &r, 0, 0), KVB_ERR_OVERLAP, "repeated page of a large cache");
+  }
 #ifndef KVBRIDGE_HAS_CUDA
   expect(kvb_pack_cuda(&k.cache.desc, &k.range, 0, wire.data(), total, nullptr),
          KVB_ERR_UNAVAILABLE, "CUDA without CUDA");
