@@ -42,6 +42,7 @@ struct RowCopy {
   const int32_t* pages;        // [block - first_block]
   uint8_t* wire;               // the byte at wire position lo
   int32_t vector_ok;           // 16-byte units are aligned on both sides
+  int32_t heads_contiguous;    // a token's heads are one run (no per-head stride)
 };
 
 // Address in the cache of the first byte of row `row`.
@@ -58,9 +59,14 @@ KVB_HD uint8_t* row_token_addr(const RowCopy& d, uint64_t row) {
          page * d.stride_page + slot * d.stride_token;
 }
 
-// Cache address of row-relative byte x of the token at `tok`.
+// Cache address of row-relative byte x of the token at `tok` (heads strided).
 KVB_HD uint8_t* row_byte_addr(const RowCopy& d, uint8_t* tok, uint64_t x) {
-  const uint64_t h = x / static_cast<uint64_t>(d.head_bytes);
+  uint64_t h;
+  if (d.token_bytes <= 0xFFFFFFFFll) {  // 32-bit division is far cheaper on a GPU
+    h = static_cast<uint32_t>(x) / static_cast<uint32_t>(d.head_bytes);
+  } else {
+    h = x / static_cast<uint64_t>(d.head_bytes);
+  }
   return tok + static_cast<int64_t>(h) * d.stride_head +
          static_cast<int64_t>(x - h * static_cast<uint64_t>(d.head_bytes));
 }
@@ -76,22 +82,23 @@ KVB_HD void move_bytes(uint8_t* wire, uint8_t* cache, int n) {
   }
 }
 
-template <bool kPack>
-KVB_HD void move16(uint8_t* wire, uint8_t* cache) {
 #ifdef __CUDA_ARCH__
-  if (kPack) {
-    *reinterpret_cast<uint4*>(wire) = *reinterpret_cast<const uint4*>(cache);
-  } else {
-    *reinterpret_cast<uint4*>(cache) = *reinterpret_cast<const uint4*>(wire);
-  }
+using Vec16 = uint4;
+KVB_HD Vec16 load16(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+KVB_HD void store16(uint8_t* p, const Vec16& v) { *reinterpret_cast<uint4*>(p) = v; }
 #else
-  if (kPack) {
-    std::memcpy(wire, cache, 16);
-  } else {
-    std::memcpy(cache, wire, 16);
-  }
-#endif
+struct Vec16 {
+  unsigned char b[16];
+};
+inline Vec16 load16(const uint8_t* p) {
+  Vec16 v;
+  std::memcpy(v.b, p, 16);
+  return v;
 }
+inline void store16(uint8_t* p, const Vec16& v) { std::memcpy(p, v.b, 16); }
+#endif
+
+constexpr int kUnroll = 4;  // 16-byte loads in flight per lane
 
 // Lane `lane` of `lanes` copies its share of row `row` (clipped to the slice).
 template <bool kPack>
@@ -103,25 +110,41 @@ KVB_HD void copy_row(const RowCopy& d, uint64_t row, uint32_t lane, uint32_t lan
   const uint64_t b = (d.hi < end ? d.hi : end) - row_pos;
   if (a >= b) return;
   uint8_t* tok = row_token_addr(d, row);
-  if (d.vector_ok) {
-    const uint64_t u_end = (b + 15) / 16;
-    for (uint64_t u = a / 16 + lane; u < u_end; u += lanes) {
-      const uint64_t x0 = u * 16;
-      if (x0 >= a && x0 + 16 <= b) {
-        move16<kPack>(d.wire + (row_pos + x0 - d.lo), row_byte_addr(d, tok, x0));
-      } else {
-        const uint64_t s = x0 > a ? x0 : a;
-        const uint64_t e = x0 + 16 < b ? x0 + 16 : b;
-        // A 16-byte unit never straddles heads (head_bytes % 16 == 0).
-        move_bytes<kPack>(d.wire + (row_pos + s - d.lo), row_byte_addr(d, tok, s),
-                          static_cast<int>(e - s));
-      }
+  // Wire and cache addresses of row byte x.
+#define KVB_WIRE(x) (d.wire + (row_pos + (x)-d.lo))
+#define KVB_CACHE(x) (d.heads_contiguous ? tok + (x) : row_byte_addr(d, tok, (x)))
+  if (!d.vector_ok) {
+    for (uint64_t x = a + lane; x < b; x += lanes) move_bytes<kPack>(KVB_WIRE(x), KVB_CACHE(x), 1);
+    return;
+  }
+  // Whole 16-byte units [u0, u1); the partial units at either end go byte by
+  // byte (a unit never straddles heads: head_bytes % 16 == 0).
+  const uint64_t u0 = (a + 15) / 16, u1 = b / 16;
+  if (u0 > u1) {  // [a, b) inside one unit
+    if (lane == 0) move_bytes<kPack>(KVB_WIRE(a), KVB_CACHE(a), static_cast<int>(b - a));
+    return;
+  }
+  if (lane == 0 && a < u0 * 16) {
+    move_bytes<kPack>(KVB_WIRE(a), KVB_CACHE(a), static_cast<int>(u0 * 16 - a));
+  }
+  if (lane == (lanes > 1 ? 1u : 0u) && u1 * 16 < b) {
+    move_bytes<kPack>(KVB_WIRE(u1 * 16), KVB_CACHE(u1 * 16), static_cast<int>(b - u1 * 16));
+  }
+  for (uint64_t u = u0 + lane; u < u1; u += kUnroll * static_cast<uint64_t>(lanes)) {
+    Vec16 v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint64_t x = (u + k * static_cast<uint64_t>(lanes)) * 16;
+      if (x < u1 * 16) v[k] = load16(kPack ? KVB_CACHE(x) : KVB_WIRE(x));
     }
-  } else {
-    for (uint64_t x = a + lane; x < b; x += lanes) {
-      move_bytes<kPack>(d.wire + (row_pos + x - d.lo), row_byte_addr(d, tok, x), 1);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      const uint64_t x = (u + k * static_cast<uint64_t>(lanes)) * 16;
+      if (x < u1 * 16) store16(kPack ? KVB_WIRE(x) : KVB_CACHE(x), v[k]);
     }
   }
+#undef KVB_WIRE
+#undef KVB_CACHE
 }
 
 // Host side: the kernel's arguments for wire positions [lo, lo + nbytes)
@@ -152,6 +175,7 @@ inline RowCopy make_row_copy(const Geometry& g, uint64_t lo, uint64_t nbytes,
   d.pages = pages;
   d.wire = wire;
   d.vector_ok = aligned ? 1 : 0;
+  d.heads_contiguous = g.heads_contiguous ? 1 : 0;
   return d;
 }
 

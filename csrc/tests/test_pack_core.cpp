@@ -20,6 +20,8 @@ namespace {
 
 int g_failures = 0;
 int g_checks = 0;
+int g_vector_runs = 0;  // emulated kernel calls on the 16-byte path
+int g_byte_runs = 0;    // ... on the byte path
 
 #define CHECK(cond, ...)                                                   \
   do {                                                                     \
@@ -169,6 +171,7 @@ void emulate_kernel(const Case& k, uint64_t lo, uint8_t* wire, uint64_t n, uint3
     ptrs.push_back(reinterpret_cast<uintptr_t>(k.cache.bases[static_cast<size_t>(l)]));
   }
   const bool aligned = kvb::row_copy_aligned(g, k.cache.desc.layer_base, wire, lo);
+  ++(aligned ? g_vector_runs : g_byte_runs);
   const kvb::RowCopy d =
       kvb::make_row_copy(g, lo, n, ptrs.data(), k.bt.data() + g.first_block, wire, aligned);
   for (uint64_t i = 0; i < d.num_rows; ++i)
@@ -214,7 +217,8 @@ void test_roundtrips() {
               // The kernel's math, on an odd-aligned buffer and an aligned one.
               for (uint32_t lanes : {1u, 4u}) {
                 std::vector<uint8_t> kw(n + 32, 0);
-                uint8_t* dst = kw.data() + (lanes == 1 ? 1 : (16 - a % 16) % 16);
+                uint8_t* dst =
+                    kw.data() + (lanes == 1 ? (a + 1) % 16 : a % 16);  // misaligned, aligned
                 emulate_kernel<true>(k, a, dst, n, lanes);
                 CHECK(std::equal(dst, dst + n, ref.begin() + static_cast<long>(a)),
                       "kernel emulation pack slice differs (lanes %u)", lanes);
@@ -408,6 +412,8 @@ void test_threads() {
 
 int main() {
   test_roundtrips();
+  CHECK(g_vector_runs > 100 && g_byte_runs > 100, "kernel paths: %d vector, %d byte", g_vector_runs,
+        g_byte_runs);
   test_errors();
   test_threads();
   std::printf("test_pack_core: %d checks, %d failures\n", g_checks, g_failures);
