@@ -17,7 +17,7 @@ namespace {
 constexpr uint64_t kMinBytesPerThread = uint64_t{1} << 20;
 constexpr int kMaxAutoThreads = 8;
 constexpr int kMaxThreads = 64;
-constexpr std::ptrdiff_t kPrefetchRuns = 2;  // runs ahead
+constexpr std::ptrdiff_t kPrefetchRuns = 4;  // runs ahead
 constexpr int64_t kPrefetchBytes = 2048;     // of each run's head
 
 struct Job {
