@@ -14,7 +14,9 @@
 
 #ifdef __CUDACC__
 #define KVB_HD __host__ __device__ __forceinline__
+#define KVB_UNROLL _Pragma("unroll")
 #else
+#define KVB_UNROLL
 #include <cstring>
 #define KVB_HD inline
 #endif
@@ -132,12 +134,12 @@ KVB_HD void copy_row(const RowCopy& d, uint64_t row, uint32_t lane, uint32_t lan
   }
   for (uint64_t u = u0 + lane; u < u1; u += kUnroll * static_cast<uint64_t>(lanes)) {
     Vec16 v[kUnroll];
-#pragma unroll
+    KVB_UNROLL
     for (int k = 0; k < kUnroll; ++k) {
       const uint64_t x = (u + k * static_cast<uint64_t>(lanes)) * 16;
       if (x < u1 * 16) v[k] = load16(kPack ? KVB_CACHE(x) : KVB_WIRE(x));
     }
-#pragma unroll
+    KVB_UNROLL
     for (int k = 0; k < kUnroll; ++k) {
       const uint64_t x = (u + k * static_cast<uint64_t>(lanes)) * 16;
       if (x < u1 * 16) store16(kPack ? KVB_WIRE(x) : KVB_CACHE(x), v[k]);
