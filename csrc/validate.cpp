@@ -13,6 +13,7 @@ namespace {
 
 constexpr int64_t kMaxDim = int64_t{1} << 40;
 constexpr int64_t kMaxStride = int64_t{1} << 56;
+constexpr int64_t kMaxTokens = int64_t{1} << 48;  // token positions (keeps page math in range)
 
 bool mul(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
@@ -115,7 +116,7 @@ int validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_
     }
   }
   if (c.layer_base == nullptr) return fail(KVB_ERR_INVALID_ARG, "layer_base is null");
-  if (r.token_start < 0 || r.token_end < r.token_start) {
+  if (r.token_start < 0 || r.token_end < r.token_start || r.token_end > kMaxTokens) {
     return failf(KVB_ERR_INVALID_ARG, "bad token range [%" PRId64 ", %" PRId64 ")", r.token_start,
                  r.token_end);
   }

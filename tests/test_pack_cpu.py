@@ -204,3 +204,41 @@ def test_stacked_and_per_layer_views_agree() -> None:
     bt = [4, 2, 0]
     np.testing.assert_array_equal(pack(cache, bt, 1, 11), pack(per_layer, bt, 1, 11))
     assert cache.layer_ptrs[1] - cache.layer_ptrs[0] == cache.layer_nbytes
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen2.5-7b", "deepseek-v3"])
+def test_real_model_16_token_nhd_to_64_token_hnd(model: str) -> None:
+    """A vLLM-style sender with 16-token NHD pages, a FlashInfer-style receiver
+    with 64-token HND pages (MLA has no head order), a prefix-hit range."""
+    send = KVLayout.for_model(model, page_tokens=16)
+    recv = send.replace(page_tokens=64, order="page_first", stacked=True)
+    if not send.mla:
+        recv = recv.replace(head_order="HND")
+    start, end = 37, 203
+    sender = PagedKVCache.allocate(send, 16, backend="torch", fill="random", seed=11)
+    bt = torch.randperm(16, generator=torch.Generator().manual_seed(2))[:13]
+    wire = pack(sender, bt, start, end)
+    assert torch.equal(wire, ref_pack(sender, bt, start, end))
+    receiver = PagedKVCache.allocate(recv, 5, backend="torch")
+    rbt = [4, 0, 2, 1]
+    step = 1_000_003  # odd chunks, last one first
+    offsets = list(range(0, int(wire.numel()), step))[::-1]
+    for off in offsets:
+        unpack(receiver, rbt, start, end, wire[off : off + step], offset=off)
+    assert torch.equal(ref_pack(receiver, rbt, start, end), wire)
+
+
+def test_concurrent_callers_share_the_thread_pool() -> None:
+    """Several Python threads pack at once (the GIL is released during the copy)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    lay = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype="fp16", page_tokens=16)
+    cache = PagedKVCache.allocate(lay, 64, fill="random", seed=4)
+    tables = [np.random.default_rng(i).permutation(64)[:40] for i in range(6)]
+
+    def job(i: int) -> bool:
+        got = pack(cache, tables[i], i, 600 - i, num_threads=2)
+        return bool(np.array_equal(got, ref_pack(cache, tables[i], i, 600 - i).numpy()))
+
+    with ThreadPoolExecutor(max_workers=3) as ex:
+        assert all(ex.map(job, range(6)))

@@ -352,6 +352,10 @@ void test_errors() {
     b.range.token_end = 1;
     expect(pack(b, 0, 0), KVB_ERR_INVALID_ARG, "end before start");
     b.range = k.range;
+    b.range.token_start = 0;
+    b.range.token_end = INT64_MAX;
+    expect(pack(b, 0, 0), KVB_ERR_INVALID_ARG, "absurd token range");
+    b.range = k.range;
     b.range.layer_end = 4;
     expect(pack(b, 0, 0), KVB_ERR_INVALID_ARG, "layer range past the cache");
   }
