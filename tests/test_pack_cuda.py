@@ -43,7 +43,7 @@ LAYOUTS = {
 }
 
 
-def setup(name: str, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor, int, int]:
+def make_case(name: str, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor, int, int]:
     lay = LAYOUTS[name]
     start, end = lay.page_tokens // 2 + 1, 5 * lay.page_tokens - 3
     pages = lay.pages_for(end)
@@ -56,7 +56,7 @@ def setup(name: str, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor, int, in
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cuda_pack_matches_reference(name: str) -> None:
-    cache, bt, start, end = setup(name)
+    cache, bt, start, end = make_case(name)
     ref = ref_pack(cache, bt, start, end)
     out = pack(cache, bt, start, end)
     torch.cuda.synchronize()
@@ -70,7 +70,7 @@ def test_cuda_pack_matches_reference(name: str) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("where", ["device", "pinned"])
 def test_cuda_slices_and_chunked_unpack(name: str, where: str) -> None:
-    cache, bt, start, end = setup(name, seed=1)
+    cache, bt, start, end = make_case(name, seed=1)
     ref = ref_pack(cache, bt, start, end)
     total = int(ref.numel())
     rng = random.Random(7)
@@ -104,7 +104,7 @@ def test_cuda_slices_and_chunked_unpack(name: str, where: str) -> None:
 
 
 def test_cuda_pack_into_one_pinned_buffer_with_int_stream() -> None:
-    cache, bt, start, end = setup("vllm-NHD-bf16", seed=2)
+    cache, bt, start, end = make_case("vllm-NHD-bf16", seed=2)
     ref = ref_pack(cache, bt, start, end)
     out = torch.zeros(int(ref.numel()), dtype=torch.uint8, pin_memory=True)
     stream = torch.cuda.Stream()
@@ -116,7 +116,7 @@ def test_cuda_pack_into_one_pinned_buffer_with_int_stream() -> None:
 
 
 def test_cuda_errors_leave_the_cache_alone() -> None:
-    cache, bt, start, end = setup("vllm-NHD-bf16", seed=3)
+    cache, bt, start, end = make_case("vllm-NHD-bf16", seed=3)
     before = cache.tensors[0].clone() if isinstance(cache.tensors, list) else cache.tensors.clone()
     wire = pack(cache, bt, start, end)
     bad = bt.clone()
