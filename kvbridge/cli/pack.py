@@ -164,8 +164,9 @@ def _component_first(lay: KVLayout, cache: Any) -> list[Any]:
     views: list[Any] = cache.layer_views()
     if lay.mla:
         return [v.unsqueeze(0) for v in views]
-    if lay.order.value != "kv_first":
-        raise ValueError("the torch baseline here is written for kv_first caches")
+    if lay.order.value != "kv_first" or lay.head_order.value != "NHD":
+        # Page copies of other orders would not produce the wire layout.
+        raise ValueError("the torch baseline here is written for kv_first NHD caches")
     return views
 
 
