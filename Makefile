@@ -9,7 +9,7 @@ SOURCES := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt 
 export KVBRIDGE_CUDA_ARCHS ?= 80;90
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: all venv build test test-fast bench bench-quick demo lint format asan cuda-check fuzz clean
+.PHONY: all venv build test test-fast bench bench-quick demo lint format asan cuda-check fuzz clean inplace
 
 all: build
 
@@ -57,6 +57,14 @@ asan:
 	  -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_ASAN=ON -DKVBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build/asan
 	ASAN_OPTIONS=detect_leaks=1 ./build/asan/test_pack_core
+
+# Build kvbridge._core next to the sources, for PYTHONPATH=. runs with another
+# interpreter that has nanobind (make inplace PY=/path/to/python).
+inplace:
+	cmake -S . -B build/inplace -G Ninja -DKVBRIDGE_WITH_UCX=OFF -DCMAKE_BUILD_TYPE=Release \
+	  "-DPython_EXECUTABLE=$$(command -v $(PY))" "-DCMAKE_CUDA_ARCHITECTURES=$(KVBRIDGE_CUDA_ARCHS)"
+	cmake --build build/inplace --target _core
+	cp build/inplace/_core*.so kvbridge/
 
 # Prove that the CUDA sources compile (no GPU needed).
 cuda-check:

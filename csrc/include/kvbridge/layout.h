@@ -26,36 +26,38 @@ extern "C" {
 #define KVB_ABI_VERSION 1
 
 typedef struct kvb_cache_desc {
-  int32_t abi_version;       /* KVB_ABI_VERSION */
+  int32_t abi_version; /* KVB_ABI_VERSION */
   int32_t num_layers;
-  int32_t num_components;    /* 2 (K, V) or 1 (MLA latent) */
-  int32_t num_heads;         /* KV heads (1 for MLA) */
-  int64_t head_bytes;        /* head_dim * element size */
-  int64_t page_tokens;       /* tokens per page */
-  int64_t num_pages;         /* pages in each layer */
-  int64_t stride_component;  /* bytes */
-  int64_t stride_page;       /* bytes */
-  int64_t stride_token;      /* bytes */
-  int64_t stride_head;       /* bytes */
-  void* const* layer_base;   /* num_layers host-readable pointers */
-  int32_t device;            /* -1: host memory; >= 0: CUDA device ordinal */
+  int32_t num_components;   /* 2 (K, V) or 1 (MLA latent) */
+  int32_t num_heads;        /* KV heads (1 for MLA) */
+  int64_t head_bytes;       /* head_dim * element size */
+  int64_t page_tokens;      /* tokens per page */
+  int64_t num_pages;        /* pages in each layer */
+  int64_t stride_component; /* bytes */
+  int64_t stride_page;      /* bytes */
+  int64_t stride_token;     /* bytes */
+  int64_t stride_head;      /* bytes */
+  void* const* layer_base;  /* num_layers host-readable pointers */
+  int32_t device;           /* -1: host memory; >= 0: CUDA device ordinal */
 } kvb_cache_desc;
 
 /* A token range and layer range of one request, and where its pages are. */
 typedef struct kvb_range {
-  int64_t token_start;       /* first token (absolute position in the request) */
-  int64_t token_end;         /* one past the last token */
+  int64_t token_start; /* first token (absolute position in the request) */
+  int64_t token_end;   /* one past the last token */
   int32_t layer_start;
   int32_t layer_end;
-  const int32_t* block_table;/* block_table[i]: page holding tokens [i*pt, (i+1)*pt);
-                                host memory for CPU caches, device memory for CUDA */
+  const int32_t* block_table; /* block_table[i]: page holding tokens [i*pt, (i+1)*pt).
+                                 Always host memory, also for CUDA caches: the core
+                                 validates it on the host and stages the entries
+                                 the range covers to the device itself. */
   int64_t block_table_len;
 } kvb_range;
 
 /* Execution knobs. */
 typedef struct kvb_exec {
-  int32_t num_threads;       /* CPU: 0 = automatic */
-  uint64_t cuda_stream;      /* CUDA: cudaStream_t as an integer (0 = default) */
+  int32_t num_threads;  /* CPU: 0 = automatic */
+  uint64_t cuda_stream; /* CUDA: cudaStream_t as an integer (0 = default) */
 } kvb_exec;
 
 /* Bytes of the wire layout of a range (0 on a malformed range). */

@@ -21,23 +21,25 @@ extern "C" {
 
 /* Check a cache descriptor and range (page ids in range, no page repeated,
  * table covers the range, slice inside the wire buffer). */
-int kvb_validate(const kvb_cache_desc* cache, const kvb_range* range,
-                 uint64_t wire_offset, uint64_t nbytes);
+int kvb_validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
+                 uint64_t nbytes);
 
 /* Host memory caches. */
-int kvb_pack_cpu(const kvb_cache_desc* cache, const kvb_range* range,
-                 uint64_t wire_offset, void* dst, uint64_t nbytes, const kvb_exec* exec);
-int kvb_unpack_cpu(const kvb_cache_desc* cache, const kvb_range* range,
-                   uint64_t wire_offset, const void* src, uint64_t nbytes,
-                   const kvb_exec* exec);
+int kvb_pack_cpu(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
+                 void* dst, uint64_t nbytes, const kvb_exec* exec);
+int kvb_unpack_cpu(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
+                   const void* src, uint64_t nbytes, const kvb_exec* exec);
 
-/* CUDA caches: one kernel launch on exec->cuda_stream; dst/src may be device or
- * pinned host memory.  Returns KVB_ERR_UNAVAILABLE when built without CUDA. */
-int kvb_pack_cuda(const kvb_cache_desc* cache, const kvb_range* range,
-                  uint64_t wire_offset, void* dst, uint64_t nbytes, const kvb_exec* exec);
-int kvb_unpack_cuda(const kvb_cache_desc* cache, const kvb_range* range,
-                    uint64_t wire_offset, const void* src, uint64_t nbytes,
-                    const kvb_exec* exec);
+/* CUDA caches: one kernel launch on exec->cuda_stream, asynchronous like any
+ * launch.  dst/src may be device memory of cache->device or pinned host memory
+ * (pageable memory is refused with KVB_ERR_INVALID_ARG).  range->block_table is
+ * host memory: it is validated here and the covered entries are staged to the
+ * device in stream order.  Returns KVB_ERR_UNAVAILABLE when built without CUDA
+ * or when no device is present. */
+int kvb_pack_cuda(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
+                  void* dst, uint64_t nbytes, const kvb_exec* exec);
+int kvb_unpack_cuda(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
+                    const void* src, uint64_t nbytes, const kvb_exec* exec);
 
 /* 1 when compiled with CUDA; 0 otherwise. */
 int kvb_built_with_cuda(void);
