@@ -11,48 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import InvalidArgument
+from ..handoff.params import SamplingParams
 
 __all__ = ["SamplingParams", "index_seed", "is_last", "sample"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How a request samples and when it stops.
-
-    ``temperature`` 0 means greedy; ``top_k`` 0 and ``top_p`` 1 disable those
-    filters; generation stops after ``max_new_tokens`` tokens or after the
-    token ``eos_token_id`` (-1: none), which is part of the output.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    max_new_tokens: int = 128
-    eos_token_id: int = -1
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidArgument(f"temperature must be finite and >= 0: {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgument(f"top_p must be in (0, 1]: {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0: {self.top_k}")
-        if not 0 <= self.seed < 1 << 64:
-            raise InvalidArgument(f"seed must fit in 64 bits: {self.seed}")
-        if self.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be positive: {self.max_new_tokens}")
-        if self.eos_token_id < -1:
-            raise InvalidArgument(f"eos_token_id must be >= -1: {self.eos_token_id}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 def index_seed(seed: int, index: int) -> int:
@@ -88,4 +53,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, index: int) -> int:
 
 def is_last(index: int, token: int, params: SamplingParams) -> bool:
     """Whether output token ``index`` (0-based) ends the request."""
-    return index + 1 >= params.max_new_tokens or token == params.eos_token_id
+    return params.is_last(index, token)

@@ -1,0 +1,197 @@
+"""One request through prefill, relay decode, main decode and the client, in
+one process over an in-memory network: what the tests, the bench and the
+demo run.  The prompt KV reaches each decode as a page copy in the wire
+layout after an emulated delay (the transport's job in production).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import KVBridgeError
+from ..reference.engine import Engine
+from ..reference.sampling import sample
+from .channel import LinkModel, MemoryChannel, MemoryNetwork
+from .driver import (
+    MainResult,
+    Pace,
+    RelayResult,
+    RequestSpec,
+    StreamResult,
+    collect_stream,
+    prefill_request,
+    run_main,
+    run_relay,
+)
+from .messages import Kind
+from .node import HandoffNode
+from .outputs import HandoffTimeouts
+from .params import SamplingParams
+from .policy import HandoffPolicy
+
+__all__ = ["Scenario", "ScenarioResult", "decode_alone", "run_scenario"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """``main``: "ok"; "absent" (unreachable from the start); "dies" (its node
+    dies after its first ACK).  ``relay_dies_after``: the relay's node dies
+    right after it sent that many TOKENS messages (None: never)."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams = SamplingParams()
+    policy: HandoffPolicy = HandoffPolicy()
+    timeouts: HandoffTimeouts = HandoffTimeouts()
+    request_id: int = 1
+    relay_kv_delay: float = 0.0
+    main_kv_delay: float = 0.05
+    peer_link: LinkModel = LinkModel()
+    client_link: LinkModel = LinkModel()
+    relay_pace: Pace = Pace()
+    main_pace: Pace = Pace()
+    relay_load: float = 0.0
+    main: str = "ok"
+    relay_dies_after: int | None = None
+    seed: int = 0
+    gap_timeout: float = 5.0
+    idle_timeout: float = 10.0
+
+
+@dataclass
+class ScenarioResult:
+    stream: StreamResult
+    relay: RelayResult | None
+    main: MainResult | None
+    errors: dict[str, BaseException] = field(default_factory=dict)
+    switch_time: float | None = None  # loop time of the main's first emitted token
+
+
+class _DyingChannel(MemoryChannel):
+    """A node that dies after sending ``limit`` messages of ``kind``."""
+
+    def __init__(self, network: MemoryNetwork, name: str, kind: Kind, limit: int) -> None:
+        super().__init__(network, name)
+        self.kind, self.limit, self.count = kind, limit, 0
+
+    async def send(self, dst: str, frame_type: int, payload: bytes) -> None:
+        await super().send(dst, frame_type, payload)
+        if frame_type == self.kind:
+            self.count += 1
+            if self.count >= self.limit:
+                self.network.kill(self.name)
+
+
+def _loader(wire: torch.Tensor, delay: float) -> Any:
+    async def load(engine: Engine, spec: RequestSpec) -> None:
+        await asyncio.sleep(delay)
+        engine.allocate(spec.request_id)
+        engine.append_cached(spec.request_id, spec.prompt)
+        write = getattr(engine, "write_kv")  # noqa: B009 - reference engines only
+        write(spec.request_id, 0, wire)
+
+    return load
+
+
+def decode_alone(
+    engine: Engine, request_id: int, prompt: list[int], params: SamplingParams
+) -> list[int]:
+    """The output of one engine decoding the prompt by itself."""
+    spec = prefill_request(engine, request_id, prompt, params)
+    out = [spec.first_token]
+    try:
+        while not params.is_last(len(out) - 1, out[-1]):
+            logits = engine.decode({request_id: out[-1]})[request_id]
+            out.append(sample(logits, params, len(out)))
+    finally:
+        engine.free(request_id)
+    return out
+
+
+async def run_scenario(
+    sc: Scenario, prefill: Engine, relay: Engine, main: Engine
+) -> ScenarioResult:
+    """Run one request end to end; every role's error is caught and reported."""
+    rid = sc.request_id
+    spec = prefill_request(prefill, rid, list(sc.prompt), sc.params)
+    read = getattr(prefill, "read_kv")  # noqa: B009
+    wire = read(rid, 0, len(sc.prompt))
+    prefill.free(rid)
+
+    net = MemoryNetwork(seed=sc.seed)
+    net.set_link("relay", "main", sc.peer_link, both=True)
+    net.set_link("relay", "client", sc.client_link)
+    net.set_link("main", "client", sc.client_link)
+    if sc.relay_dies_after is not None:
+        net._nodes["relay"] = _DyingChannel(net, "relay", Kind.TOKENS, sc.relay_dies_after)
+    if sc.main == "dies":
+        net._nodes["main"] = _DyingChannel(net, "main", Kind.ACK, 1)
+    errors: dict[str, BaseException] = {}
+    results: dict[str, Any] = {}
+
+    async def guard(name: str, coro: Any) -> None:
+        try:
+            results[name] = await coro
+        except (KVBridgeError, TimeoutError) as e:
+            errors[name] = e
+
+    try:
+        async with (
+            HandoffNode(net.node("relay")) as rn,
+            HandoffNode(net.node("main")) as mn,
+            HandoffNode(net.node("client")) as cn,
+        ):
+            if sc.main == "absent":
+                net.kill("main")
+            tasks = [
+                guard(
+                    "client",
+                    collect_stream(
+                        cn, rid, gap_timeout=sc.gap_timeout, idle_timeout=sc.idle_timeout
+                    ),
+                ),
+                guard(
+                    "relay",
+                    run_relay(
+                        relay,
+                        spec,
+                        rn,
+                        _loader(wire, sc.relay_kv_delay),
+                        main="main",
+                        client="client",
+                        policy=sc.policy,
+                        timeouts=sc.timeouts,
+                        load=lambda: sc.relay_load,
+                        pace=sc.relay_pace,
+                    ),
+                ),
+            ]
+            if sc.main != "absent":
+                tasks.append(
+                    guard(
+                        "main",
+                        run_main(
+                            main,
+                            spec,
+                            mn,
+                            _loader(wire, sc.main_kv_delay),
+                            relay="relay",
+                            client="client",
+                            timeouts=sc.timeouts,
+                            pace=sc.main_pace,
+                        ),
+                    )
+                )
+            await asyncio.gather(*tasks)
+    finally:
+        net.close()
+        for eng in (relay, main):
+            with contextlib.suppress(KVBridgeError):
+                eng.free(rid)
+    if "client" in errors:
+        raise errors["client"]
+    return ScenarioResult(results["client"], results.get("relay"), results.get("main"), errors)
