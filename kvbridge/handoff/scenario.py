@@ -44,16 +44,16 @@ class Scenario:
     right after it sent that many TOKENS messages (None: never)."""
 
     prompt: tuple[int, ...]
-    params: SamplingParams = SamplingParams()
-    policy: HandoffPolicy = HandoffPolicy()
-    timeouts: HandoffTimeouts = HandoffTimeouts()
+    params: SamplingParams = field(default_factory=SamplingParams)
+    policy: HandoffPolicy = field(default_factory=HandoffPolicy)
+    timeouts: HandoffTimeouts = field(default_factory=HandoffTimeouts)
     request_id: int = 1
     relay_kv_delay: float = 0.0
     main_kv_delay: float = 0.05
-    peer_link: LinkModel = LinkModel()
-    client_link: LinkModel = LinkModel()
-    relay_pace: Pace = Pace()
-    main_pace: Pace = Pace()
+    peer_link: LinkModel = field(default_factory=LinkModel)
+    client_link: LinkModel = field(default_factory=LinkModel)
+    relay_pace: Pace = field(default_factory=Pace)
+    main_pace: Pace = field(default_factory=Pace)
     relay_load: float = 0.0
     main: str = "ok"
     relay_dies_after: int | None = None
