@@ -113,7 +113,7 @@ class MainSide:
             raise InvalidArgument(f"extended {count} tokens, {len(self.known) - self.fed} pending")
         self.fed += count
         if self.state is MainState.HOLDING and self.fed == len(self.known):
-            return self._progress()
+            return self._progress(now)
         return []
 
     def on_token(self, token: int, now: float) -> list[Output]:
@@ -162,7 +162,7 @@ class MainSide:
         before = len(self.known)
         out = self._apply(now)
         if len(self.known) == before and self.fed == len(self.known):
-            out += self._progress()  # nothing new: answer at once
+            out += self._progress(now)  # nothing new: answer at once
         return out
 
     def poll(self, now: float) -> list[Output]:
@@ -204,8 +204,9 @@ class MainSide:
                 self._buffer.clear()
                 return []
 
-    def _progress(self) -> list[Output]:
+    def _progress(self, now: float) -> list[Output]:
         """All known tokens are extended: acknowledge, and switch on the commit."""
+        self._relay_deadline = now + self.timeouts.relay_timeout  # the relay answers our ACK
         if self.commit_end is not None and self.fed >= self.commit_end:
             self.switch_at = self.commit_end
             self.state = MainState.EMITTING

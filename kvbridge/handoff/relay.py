@@ -154,7 +154,7 @@ class RelaySide:
         ):
             if self.retries < self.timeouts.max_retries:
                 self.retries += 1
-                self._round_deadline = now + self.timeouts.ack_timeout
+                self._round_deadline = now + self.timeouts.ack_wait(len(self.in_flight.tokens))
                 out.append(ToPeer(self.in_flight))
             else:
                 out += self._degrade()
@@ -209,7 +209,7 @@ class RelaySide:
             self.rounds += 1
         self.in_flight = msg
         self.retries = 0
-        self._round_deadline = now + self.timeouts.ack_timeout
+        self._round_deadline = now + self.timeouts.ack_wait(len(msg.tokens))
         return [ToPeer(msg)]
 
     def _degrade(self) -> list[Output]:
