@@ -97,6 +97,11 @@ class MemoryNetwork:
             self._nodes[name] = MemoryChannel(self, name)
         return self._nodes[name]
 
+    def attach(self, channel: MemoryChannel) -> MemoryChannel:
+        """Register a node object (a subclass that instruments its sends)."""
+        self._nodes[channel.name] = channel
+        return channel
+
     def set_link(self, src: str, dst: str, model: LinkModel, *, both: bool = False) -> None:
         self._links[(src, dst)] = model
         if both:

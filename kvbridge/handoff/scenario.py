@@ -28,7 +28,7 @@ from .driver import (
     run_main,
     run_relay,
 )
-from .messages import Kind
+from .messages import Kind, StreamTokens, decode
 from .node import HandoffNode
 from .outputs import HandoffTimeouts
 from .params import SamplingParams
@@ -41,7 +41,10 @@ __all__ = ["Scenario", "ScenarioResult", "decode_alone", "run_scenario"]
 class Scenario:
     """``main``: "ok"; "absent" (unreachable from the start); "dies" (its node
     dies after its first ACK).  ``relay_dies_after``: the relay's node dies
-    right after it sent that many TOKENS messages (None: never)."""
+    right after it sent that many TOKENS messages (None: never).
+    ``handoff_after``: the main decode's prompt KV lands ``main_kv_delay``
+    after the relay has emitted this many tokens (None: after the delay
+    alone), which fixes the handoff point whatever the machine's speed."""
 
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -57,6 +60,7 @@ class Scenario:
     relay_load: float = 0.0
     main: str = "ok"
     relay_dies_after: int | None = None
+    handoff_after: int | None = None
     seed: int = 0
     gap_timeout: float = 5.0
     idle_timeout: float = 10.0
@@ -71,23 +75,43 @@ class ScenarioResult:
     switch_time: float | None = None  # loop time of the main's first emitted token
 
 
-class _DyingChannel(MemoryChannel):
-    """A node that dies after sending ``limit`` messages of ``kind``."""
+class _Instrumented(MemoryChannel):
+    """A node that dies after sending ``die_after`` messages of ``die_kind``,
+    and sets ``reached`` once it has streamed ``stream_limit`` tokens (or the last)."""
 
-    def __init__(self, network: MemoryNetwork, name: str, kind: Kind, limit: int) -> None:
+    def __init__(
+        self,
+        network: MemoryNetwork,
+        name: str,
+        *,
+        die_kind: Kind | None = None,
+        die_after: int | None = None,
+        stream_limit: int | None = None,
+    ) -> None:
         super().__init__(network, name)
-        self.kind, self.limit, self.count = kind, limit, 0
+        self.die_kind, self.die_after, self.stream_limit = die_kind, die_after, stream_limit
+        self.sent_kind = 0
+        self.streamed = 0
+        self.reached = asyncio.Event()
 
     async def send(self, dst: str, frame_type: int, payload: bytes) -> None:
         await super().send(dst, frame_type, payload)
-        if frame_type == self.kind:
-            self.count += 1
-            if self.count >= self.limit:
+        if frame_type == Kind.STREAM and self.stream_limit is not None:
+            msg = decode(payload)
+            if isinstance(msg, StreamTokens):
+                self.streamed += len(msg.tokens)
+                if self.streamed >= self.stream_limit or msg.last:
+                    self.reached.set()
+        if frame_type == self.die_kind and self.die_after is not None:
+            self.sent_kind += 1
+            if self.sent_kind >= self.die_after:
                 self.network.kill(self.name)
 
 
-def _loader(wire: torch.Tensor, delay: float) -> Any:
+def _loader(wire: torch.Tensor, delay: float, after: asyncio.Event | None = None) -> Any:
     async def load(engine: Engine, spec: RequestSpec) -> None:
+        if after is not None:
+            await after.wait()  # the caller's kv_timeout bounds this wait
         await asyncio.sleep(delay)
         engine.allocate(spec.request_id)
         engine.append_cached(spec.request_id, spec.prompt)
@@ -126,10 +150,17 @@ async def run_scenario(
     net.set_link("relay", "main", sc.peer_link, both=True)
     net.set_link("relay", "client", sc.client_link)
     net.set_link("main", "client", sc.client_link)
-    if sc.relay_dies_after is not None:
-        net._nodes["relay"] = _DyingChannel(net, "relay", Kind.TOKENS, sc.relay_dies_after)
+    relay_node = _Instrumented(
+        net,
+        "relay",
+        die_kind=Kind.TOKENS,
+        die_after=sc.relay_dies_after,
+        stream_limit=sc.handoff_after,
+    )
+    net.attach(relay_node)
+    after = relay_node.reached if sc.handoff_after is not None else None
     if sc.main == "dies":
-        net._nodes["main"] = _DyingChannel(net, "main", Kind.ACK, 1)
+        net.attach(_Instrumented(net, "main", die_kind=Kind.ACK, die_after=1))
     errors: dict[str, BaseException] = {}
     results: dict[str, Any] = {}
 
@@ -178,7 +209,7 @@ async def run_scenario(
                             main,
                             spec,
                             mn,
-                            _loader(wire, sc.main_kv_delay),
+                            _loader(wire, sc.main_kv_delay, after),
                             relay="relay",
                             client="client",
                             timeouts=sc.timeouts,
