@@ -91,6 +91,7 @@ class MemoryNetwork:
         self._next_handle = 0
         self.sent = 0
         self.dropped = 0
+        self.bytes_sent: dict[tuple[str, str], int] = {}  # payload bytes per (src, dst)
 
     def node(self, name: str) -> MemoryChannel:
         if name not in self._nodes:
@@ -145,6 +146,7 @@ class MemoryNetwork:
         if dst not in self._nodes:
             raise PeerGone(f"no node named {dst}")
         self.sent += 1
+        self.bytes_sent[(src, dst)] = self.bytes_sent.get((src, dst), 0) + len(payload)
         model = self._links.get((src, dst), self._default)
         if dst in self._dead or self._rng.random() < model.loss:
             self.dropped += 1

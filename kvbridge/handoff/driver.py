@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,7 @@ class RelayResult:
     rounds: int
     gaps: list[int]
     commit_at: int | None
+    ready_time: float | None = None  # loop time the relay learned the main decode was ready
 
 
 @dataclass
@@ -87,6 +89,7 @@ class MainResult:
     switch_at: int | None
     took_over: bool
     tokens: list[int]
+    first_emit_time: float | None = None  # loop time of the main decode's first sampled token
 
 
 @dataclass
@@ -97,7 +100,7 @@ class StreamResult:
     arrivals: list[float] = field(default_factory=list)  # loop time each token was delivered
 
     def longest_stall(self) -> float:
-        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+        gaps = [b - a for a, b in itertools.pairwise(self.arrivals)]
         return max(gaps, default=0.0)
 
 
@@ -159,6 +162,7 @@ async def run_relay(
     rid = spec.request_id
     inbox = node.open(rid)
     side = RelaySide(rid, spec.params, policy, timeouts)
+    ready_time: float | None = None
     try:
         try:
             await asyncio.wait_for(load_kv(engine, spec), kv_timeout)
@@ -170,11 +174,18 @@ async def run_relay(
         side.set_load(load())
         await _carry_out(node, side.start(spec.first_token, loop.time()), main, client)
         logits: torch.Tensor | None = None
+
+        async def handle(msg: HandoffMessage) -> None:
+            nonlocal ready_time
+            now = loop.time()
+            outs = side.on_message(msg, now)
+            if ready_time is None and side.main_ready:
+                ready_time = now
+            await _carry_out(node, outs, main, client)
+
         while not side.done:
             while not inbox.empty():
-                await _carry_out(
-                    node, side.on_message(inbox.get_nowait(), loop.time()), main, client
-                )
+                await handle(inbox.get_nowait())
             await _carry_out(node, side.poll(loop.time()), main, client)
             if side.want_decode:
                 fed = engine.num_tokens(rid) - prompt_len
@@ -189,11 +200,13 @@ async def run_relay(
                 wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
                 msg = await _next_message(inbox, wait)
                 if msg is not None:
-                    await _carry_out(node, side.on_message(msg, loop.time()), main, client)
+                    await handle(msg)
     finally:
         node.close(rid)
         engine.free(rid)
-    return RelayResult(side.state, side.tokens, side.mode, side.rounds, side.gaps, side.commit_at)
+    return RelayResult(
+        side.state, side.tokens, side.mode, side.rounds, side.gaps, side.commit_at, ready_time
+    )
 
 
 async def run_main(
@@ -219,6 +232,7 @@ async def run_main(
         rid, spec.params, len(spec.prompt), spec.first_token, timeouts, relay=relay is not None
     )
     kv: asyncio.Future[Any] = asyncio.ensure_future(load_kv(engine, spec))
+    first_emit: float | None = None
     try:
         kv_deadline = loop.time() + kv_timeout
         while not kv.done() and not side.done:
@@ -237,7 +251,7 @@ async def run_main(
                     f"request {rid}: prompt KV not on the main decode after {kv_timeout} s"
                 )
         if side.done:  # the relay finished or kept the request before the KV landed
-            return MainResult(side.state, side.switch_at, side.took_over, side.known)
+            return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
         kv.result()
         await _carry_out(node, side.on_kv_ready(loop.time()), relay, client)
         logits: torch.Tensor | None = None
@@ -256,6 +270,7 @@ async def run_main(
             elif side.want_token:
                 assert logits is not None
                 token = sample(logits, spec.params, side.next_index)
+                first_emit = loop.time() if first_emit is None else first_emit
                 await _carry_out(node, side.on_token(token, loop.time()), relay, client)
             else:
                 deadline = side.next_deadline()
@@ -270,7 +285,7 @@ async def run_main(
                 await kv
         node.close(rid)
         engine.free(rid)
-    return MainResult(side.state, side.switch_at, side.took_over, side.known)
+    return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
 
 
 async def collect_stream(

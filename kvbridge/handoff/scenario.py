@@ -72,7 +72,7 @@ class ScenarioResult:
     relay: RelayResult | None
     main: MainResult | None
     errors: dict[str, BaseException] = field(default_factory=dict)
-    switch_time: float | None = None  # loop time of the main's first emitted token
+    peer_bytes: int = 0  # payload bytes between relay and main, both ways
 
 
 class _Instrumented(MemoryChannel):
@@ -225,4 +225,7 @@ async def run_scenario(
                 eng.free(rid)
     if "client" in errors:
         raise errors["client"]
-    return ScenarioResult(results["client"], results.get("relay"), results.get("main"), errors)
+    peer = net.bytes_sent.get(("relay", "main"), 0) + net.bytes_sent.get(("main", "relay"), 0)
+    return ScenarioResult(
+        results["client"], results.get("relay"), results.get("main"), errors, peer
+    )
