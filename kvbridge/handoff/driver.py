@@ -1,0 +1,321 @@
+"""An asyncio driver that runs the three roles of a request over a message
+channel: prefill, relay decode, main decode, and the client's stream.
+
+The driver carries out what the sans-IO state machines ask (engine steps,
+messages, stream tokens) and sleeps until their next deadline or the next
+message, never longer.  How the prompt KV reaches a decode is the caller's
+:data:`KVLoader` (the transport in production, a page copy in the tests);
+``Pace`` adds emulated compute time to each engine step for benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import RemoteProtocolError, TransferTimeout
+from ..reference.engine import Engine
+from ..reference.sampling import sample
+from .main import MainSide, MainState
+from .messages import HandoffMessage, StreamTokens
+from .node import HandoffNode
+from .outputs import HandoffTimeouts, Output, ToClient, ToPeer
+from .params import SamplingParams
+from .policy import HandoffPolicy, Mode
+from .relay import RelaySide, RelayState
+from .stream import StreamMerge
+
+__all__ = [
+    "KVLoader",
+    "MainResult",
+    "Pace",
+    "RelayResult",
+    "RequestSpec",
+    "StreamResult",
+    "collect_stream",
+    "prefill_request",
+    "run_main",
+    "run_relay",
+]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What prefill hands to both decodes along with the prompt KV."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    first_token: int
+    params: SamplingParams
+
+
+KVLoader = Callable[[Engine, RequestSpec], Awaitable[None]]
+"""Puts the prompt KV of a request into an engine: allocate, ``append_cached``
+the prompt, then fill the pages (the transport, or a copy)."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """Emulated compute time per engine step, added to the real one."""
+
+    decode_s: float = 0.0
+    extend_base_s: float = 0.0
+    extend_token_s: float = 0.0
+
+    def step_s(self, n: int) -> float:
+        return self.decode_s if n == 1 else self.extend_base_s + n * self.extend_token_s
+
+
+@dataclass
+class RelayResult:
+    state: RelayState
+    tokens: list[int]
+    mode: Mode | None
+    rounds: int
+    gaps: list[int]
+    commit_at: int | None
+    ready_time: float | None = None  # loop time the relay learned the main decode was ready
+
+
+@dataclass
+class MainResult:
+    state: MainState
+    switch_at: int | None
+    took_over: bool
+    tokens: list[int]
+    first_emit_time: float | None = None  # loop time of the main decode's first sampled token
+
+
+@dataclass
+class StreamResult:
+    tokens: list[int]
+    duplicates: int
+    conflicts: int
+    arrivals: list[float] = field(default_factory=list)  # loop time each token was delivered
+
+    def longest_stall(self) -> float:
+        gaps = [b - a for a, b in itertools.pairwise(self.arrivals)]
+        return max(gaps, default=0.0)
+
+
+def prefill_request(
+    engine: Engine, request_id: int, prompt: list[int], params: SamplingParams
+) -> RequestSpec:
+    """Prefill a prompt and sample output token 0."""
+    engine.allocate(request_id)
+    logits = engine.prefill({request_id: prompt})[request_id]
+    return RequestSpec(request_id, tuple(prompt), sample(logits, params, 0), params)
+
+
+async def _feed(engine: Engine, rid: int, tokens: list[int], pace: Pace) -> torch.Tensor:
+    """Feed tokens (a decode step for one, an extend for more); logits after the last."""
+    if len(tokens) == 1:
+        logits = engine.decode({rid: tokens[0]})[rid]
+    else:
+        logits = engine.extend(rid, tokens)[-1]
+    delay = pace.step_s(len(tokens))
+    await asyncio.sleep(delay)
+    return logits
+
+
+async def _carry_out(node: HandoffNode, outs: list[Output], peer: str | None, client: str) -> None:
+    for o in outs:
+        if isinstance(o, ToClient):
+            await node.send(client, o.message)
+        elif isinstance(o, ToPeer) and peer is not None:
+            await node.send(peer, o.message)
+
+
+async def _next_message(
+    inbox: asyncio.Queue[HandoffMessage], timeout: float
+) -> HandoffMessage | None:
+    try:
+        return await asyncio.wait_for(inbox.get(), max(timeout, 0.0))
+    except TimeoutError:
+        return None
+
+
+async def run_relay(
+    engine: Engine,
+    spec: RequestSpec,
+    node: HandoffNode,
+    load_kv: KVLoader,
+    *,
+    main: str,
+    client: str,
+    policy: HandoffPolicy | None = None,
+    timeouts: HandoffTimeouts | None = None,
+    kv_timeout: float = 5.0,
+    load: Callable[[], float] = lambda: 0.0,
+    pace: Pace | None = None,
+) -> RelayResult:
+    """The relay decode of one request, from the prompt KV to the switch (or the end)."""
+    pace = pace or Pace()
+    timeouts = timeouts or HandoffTimeouts()
+    loop = asyncio.get_running_loop()
+    rid = spec.request_id
+    inbox = node.open(rid)
+    side = RelaySide(rid, spec.params, policy, timeouts)
+    ready_time: float | None = None
+    try:
+        try:
+            await asyncio.wait_for(load_kv(engine, spec), kv_timeout)
+        except TimeoutError:
+            raise TransferTimeout(
+                f"request {rid}: prompt KV not on the relay after {kv_timeout} s"
+            ) from None
+        prompt_len = engine.num_tokens(rid)
+        side.set_load(load())
+        await _carry_out(node, side.start(spec.first_token, loop.time()), main, client)
+        logits: torch.Tensor | None = None
+
+        async def handle(msg: HandoffMessage) -> None:
+            nonlocal ready_time
+            now = loop.time()
+            outs = side.on_message(msg, now)
+            if ready_time is None and side.main_ready:
+                ready_time = now
+            await _carry_out(node, outs, main, client)
+
+        while not side.done:
+            while not inbox.empty():
+                await handle(inbox.get_nowait())
+            await _carry_out(node, side.poll(loop.time()), main, client)
+            if side.want_decode:
+                fed = engine.num_tokens(rid) - prompt_len
+                if fed < len(side.tokens):
+                    logits = await _feed(engine, rid, side.tokens[fed:], pace)
+                assert logits is not None
+                side.set_load(load())
+                token = sample(logits, spec.params, side.next_index)
+                await _carry_out(node, side.on_token(token, loop.time()), main, client)
+            elif not side.done:
+                deadline = side.next_deadline()
+                wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
+                msg = await _next_message(inbox, wait)
+                if msg is not None:
+                    await handle(msg)
+    finally:
+        node.close(rid)
+        engine.free(rid)
+    return RelayResult(
+        side.state, side.tokens, side.mode, side.rounds, side.gaps, side.commit_at, ready_time
+    )
+
+
+async def run_main(
+    engine: Engine,
+    spec: RequestSpec,
+    node: HandoffNode,
+    load_kv: KVLoader,
+    *,
+    relay: str | None,
+    client: str,
+    timeouts: HandoffTimeouts | None = None,
+    kv_timeout: float = 30.0,
+    pace: Pace | None = None,
+) -> MainResult:
+    """The main decode of one request: wait for the prompt KV, take the relay's
+    tokens, switch, decode to the end.  ``relay=None``: the P-MD pipeline."""
+    pace = pace or Pace()
+    timeouts = timeouts or HandoffTimeouts()
+    loop = asyncio.get_running_loop()
+    rid = spec.request_id
+    inbox = node.open(rid)
+    side = MainSide(
+        rid, spec.params, len(spec.prompt), spec.first_token, timeouts, relay=relay is not None
+    )
+    kv: asyncio.Future[Any] = asyncio.ensure_future(load_kv(engine, spec))
+    first_emit: float | None = None
+    try:
+        kv_deadline = loop.time() + kv_timeout
+        while not kv.done() and not side.done:
+            get: asyncio.Future[Any] = asyncio.ensure_future(inbox.get())
+            done, _ = await asyncio.wait(
+                {kv, get}, timeout=kv_deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
+            )
+            if get in done:
+                await _carry_out(node, side.on_message(get.result(), loop.time()), relay, client)
+            else:
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await get
+            if not done:
+                raise TransferTimeout(
+                    f"request {rid}: prompt KV not on the main decode after {kv_timeout} s"
+                )
+        if side.done:  # the relay finished or kept the request before the KV landed
+            return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
+        kv.result()
+        await _carry_out(node, side.on_kv_ready(loop.time()), relay, client)
+        logits: torch.Tensor | None = None
+        while not side.done:
+            while not inbox.empty():
+                await _carry_out(
+                    node, side.on_message(inbox.get_nowait(), loop.time()), relay, client
+                )
+            await _carry_out(node, side.poll(loop.time()), relay, client)
+            if side.done:
+                break
+            pending = side.to_extend
+            if pending:
+                logits = await _feed(engine, rid, pending, pace)
+                await _carry_out(node, side.on_extended(len(pending), loop.time()), relay, client)
+            elif side.want_token:
+                assert logits is not None
+                token = sample(logits, spec.params, side.next_index)
+                first_emit = loop.time() if first_emit is None else first_emit
+                await _carry_out(node, side.on_token(token, loop.time()), relay, client)
+            else:
+                deadline = side.next_deadline()
+                wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
+                msg = await _next_message(inbox, wait)
+                if msg is not None:
+                    await _carry_out(node, side.on_message(msg, loop.time()), relay, client)
+    finally:
+        if not kv.done():
+            kv.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await kv
+        node.close(rid)
+        engine.free(rid)
+    return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
+
+
+async def collect_stream(
+    node: HandoffNode,
+    request_id: int,
+    *,
+    gap_timeout: float = 5.0,
+    idle_timeout: float = 30.0,
+) -> StreamResult:
+    """The client: merge the request's stream until its last token (or a deadline)."""
+    loop = asyncio.get_running_loop()
+    inbox = node.open(request_id)
+    merge = StreamMerge(
+        request_id, gap_timeout=gap_timeout, idle_timeout=idle_timeout, now=loop.time()
+    )
+    arrivals: list[float] = []
+    try:
+        while not merge.done:
+            merge.check(loop.time())
+            deadline = merge.next_deadline()
+            assert deadline is not None
+            msg = await _next_message(inbox, deadline - loop.time())
+            if msg is None:
+                continue
+            if not isinstance(msg, StreamTokens):
+                raise RemoteProtocolError(
+                    f"request {request_id}: the client got a {type(msg).__name__}"
+                )
+            now = loop.time()
+            arrivals += [now] * len(merge.push(msg, now))
+    finally:
+        node.close(request_id)
+    return StreamResult(merge.tokens, merge.duplicates, merge.conflicts, arrivals)
