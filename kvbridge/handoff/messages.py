@@ -39,6 +39,7 @@ __all__ = [
     "Kind",
     "Ready",
     "Source",
+    "Start",
     "StreamTokens",
     "Tokens",
     "decode",
@@ -57,6 +58,7 @@ class Kind(enum.IntEnum):
     ACK = 0x42  # main -> relay: I hold tokens [0, held); maybe: I emit from switch_at
     DONE = 0x43  # relay -> main: the request ended on the relay; drop it
     STREAM = 0x44  # relay or main -> client: output tokens [start, start + n)
+    START = 0x45  # prefill -> relay/main: the prompt, the first token, the sampling state
 
 
 class Source(enum.IntEnum):
@@ -81,6 +83,8 @@ _TOKENS = struct.Struct("<QBHII")  # request_id, flags, round, start, count (+ s
 _ACK = struct.Struct("<QBII")  # request_id, flags, held, switch_at
 _DONE = struct.Struct("<QBI")  # request_id, reason, total
 _STREAM = struct.Struct("<QBBII")  # request_id, flags, source, start, count (+ tokens)
+_START = struct.Struct("<QBII")  # request_id, flags, first_token, count (+ sampling, prompt)
+START_RELAYED = 0x01
 
 
 def _u32(name: str, v: int) -> None:
@@ -169,9 +173,30 @@ class StreamTokens:
         return self.start + len(self.tokens)
 
 
-HandoffMessage = Ready | Tokens | Ack | Done | StreamTokens
+@dataclass(frozen=True)
+class Start:
+    """Prefill -> relay / main decode: what a decode needs besides the prompt
+    KV: the prompt token IDs, output token 0 (sampled by prefill) and the
+    sampling state.  ``relayed`` tells the main decode that a relay decode
+    streams the first tokens and will hand them over."""
 
-_KNOWN_FLAGS = {Kind.TOKENS: TOKENS_COMMIT, Kind.ACK: ACK_SWITCHED, Kind.STREAM: STREAM_LAST}
+    request_id: int
+    prompt: tuple[int, ...]
+    first_token: int
+    params: SamplingParams
+    relayed: bool = False
+
+    KIND = Kind.START
+
+
+HandoffMessage = Ready | Tokens | Ack | Done | StreamTokens | Start
+
+_KNOWN_FLAGS = {
+    Kind.TOKENS: TOKENS_COMMIT,
+    Kind.ACK: ACK_SWITCHED,
+    Kind.STREAM: STREAM_LAST,
+    Kind.START: START_RELAYED,
+}
 
 
 def encode(msg: HandoffMessage) -> bytes:
@@ -213,6 +238,19 @@ def encode(msg: HandoffMessage) -> bytes:
                     msg.request_id, flags, int(msg.source), msg.start, len(msg.tokens)
                 )
                 return head + body + struct.pack(f"<{len(msg.tokens)}I", *msg.tokens)
+            case Start():
+                _check_tokens(msg.prompt)
+                _u32("first token", msg.first_token)
+                p = msg.params
+                body = _START.pack(
+                    msg.request_id,
+                    START_RELAYED if msg.relayed else 0,
+                    msg.first_token,
+                    len(msg.prompt),
+                ) + _SAMPLING.pack(
+                    p.seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.eos_token_id
+                )
+                return head + body + struct.pack(f"<{len(msg.prompt)}I", *msg.prompt)
     except struct.error as e:
         raise LocalProtocolError(f"cannot encode {type(msg).__name__}: {e}") from e
     raise LocalProtocolError(f"not a handoff message: {msg!r}")
@@ -281,6 +319,13 @@ def decode(data: bytes | bytearray | memoryview, frame_type: int | None = None) 
             if start + count >= 1 << 32:
                 raise RemoteProtocolError("TOKENS: range beyond u32 positions")
             return Tokens(rid, start, toks, params, bool(flags & TOKENS_COMMIT), rnd)
+        if kind is Kind.START:
+            (rid, flags, first, count), rest = _with_tokens(body, _START, _SAMPLING.size, "START")
+            _flags(kind, flags)
+            seed, temp, top_p, top_k, max_new, eos = _SAMPLING.unpack_from(rest)
+            params = SamplingParams(temp, top_k, top_p, seed, max_new, eos)
+            prompt = struct.unpack_from(f"<{count}I", rest, _SAMPLING.size)
+            return Start(rid, prompt, first, params, bool(flags & START_RELAYED))
         (rid, flags, source, start, count), rest = _with_tokens(body, _STREAM, 0, "STREAM")
         _flags(kind, flags)
         if start + count >= 1 << 32:

@@ -91,6 +91,7 @@ class DecoderConfig:
 class _Request:
     tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
+    external: int = 0  # leading pages owned by the caller (see ReferenceDecoder.adopt)
 
 
 @dataclass
@@ -121,6 +122,7 @@ class ReferenceDecoder:
         *,
         device: str | torch.device = "cpu",
         weight_dtype: torch.dtype = torch.float32,
+        allocator: PageAllocator | None = None,
     ) -> None:
         if layout.mla or layout.stacked:
             raise LayoutError("the reference decoder needs a per-layer K/V layout (not MLA)")
@@ -136,7 +138,9 @@ class ReferenceDecoder:
         self.layout = layout
         self.device = torch.device(device)
         self.dtype = weight_dtype
-        self.allocator = PageAllocator(num_pages)
+        # An engine with a prefix cache shares one allocator with it
+        # (kvbridge.cache.RadixCache); anything with alloc(n) / free(pages).
+        self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
         self.kv_cache: list[torch.Tensor] = [
             torch.zeros(
                 layout.layer_shape(num_pages), dtype=_TORCH_DTYPES[layout.dtype], device=self.device
@@ -202,9 +206,27 @@ class ReferenceDecoder:
         self._requests[request_id] = _Request()
 
     def free(self, request_id: int) -> None:
+        """Forget a request and free the pages it allocated itself (pages
+        given to :meth:`adopt` stay with their owner)."""
         req = self._requests.pop(request_id, None)
         if req is not None:
-            self.allocator.free(req.block_table)
+            self.allocator.free(req.block_table[req.external :])
+
+    def adopt(self, request_id: int, token_ids: Sequence[int], block_table: Sequence[int]) -> None:
+        """Start an allocated, empty request from ``token_ids`` whose KV is
+        already in the pages ``block_table`` (owned by the caller, e.g. a
+        prefix cache); later tokens go to pages the decoder allocates."""
+        req = self._req(request_id)
+        if req.tokens or req.block_table:
+            raise InvalidArgument(f"request {request_id} is not empty")
+        self._check_tokens(token_ids)
+        if len(block_table) < self.layout.pages_for(len(token_ids)):
+            raise InvalidArgument(
+                f"{len(block_table)} pages cannot hold {len(token_ids)} tokens"
+            )
+        req.block_table.extend(int(p) for p in block_table)
+        req.external = len(req.block_table)
+        req.tokens.extend(int(t) for t in token_ids)
 
     def has_request(self, request_id: int) -> bool:
         return request_id in self._requests
