@@ -74,3 +74,31 @@ def test_protocol_violations() -> None:
         m.push(StreamTokens(2, 0, (1,), Source.RELAY), 0.0)
     with pytest.raises(InvalidArgument):
         StreamMerge(1, gap_timeout=0)
+
+
+def test_node_routes_early_messages_and_rejects_garbage() -> None:
+    import asyncio
+
+    from kvbridge.handoff import Ready, encode
+    from kvbridge.handoff.channel import MemoryNetwork
+    from kvbridge.handoff.node import MAX_EARLY_REQUESTS, HandoffNode
+
+    async def go() -> None:
+        net = MemoryNetwork()
+        a = net.node("a")
+        async with HandoffNode(net.node("b"), poll_interval=0.01) as node:
+            for rid in range(MAX_EARLY_REQUESTS + 5):  # more orphans than are kept
+                await a.send("b", 0x40, encode(Ready(rid, 3, 1)))
+            await a.send("b", 0x40, b"\x01\x40garbage")
+            await a.send("b", 0x41, encode(Ready(7, 3, 1)))  # frame type does not match
+            await asyncio.sleep(0.1)
+            assert node.rejected == 2
+            assert node.open(0).empty()  # the oldest orphan was forgotten
+            q = node.open(MAX_EARLY_REQUESTS + 4)
+            assert q.get_nowait() == Ready(MAX_EARLY_REQUESTS + 4, 3, 1)
+            await a.send("b", 0x40, encode(Ready(MAX_EARLY_REQUESTS + 4, 3, 2)))
+            got = await asyncio.wait_for(q.get(), 2)
+            assert got == Ready(MAX_EARLY_REQUESTS + 4, 3, 2)
+        net.close()
+
+    asyncio.run(asyncio.wait_for(go(), 10))

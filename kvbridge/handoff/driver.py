@@ -11,7 +11,6 @@ message, never longer.  How the prompt KV reaches a decode is the caller's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -244,8 +243,6 @@ async def run_main(
                 await _carry_out(node, side.on_message(get.result(), loop.time()), relay, client)
             else:
                 get.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await get
             if not done:
                 raise TransferTimeout(
                     f"request {rid}: prompt KV not on the main decode after {kv_timeout} s"
@@ -281,8 +278,7 @@ async def run_main(
     finally:
         if not kv.done():
             kv.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await kv
+            await asyncio.gather(kv, return_exceptions=True)
         node.close(rid)
         engine.free(rid)
     return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)

@@ -4,7 +4,6 @@ per-request inboxes (sans-IO codecs, asyncio plumbing)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from types import TracebackType
 
@@ -20,8 +19,8 @@ MAX_EARLY_MESSAGES = 64
 
 class HandoffNode:
     """Routes the handoff messages that reach ``channel`` to the request they
-    name.  Messages for a request that has no inbox yet wait (bounded) until
-    it opens one; malformed payloads are counted in :attr:`rejected` and
+    name.  Messages for a request that has no inbox yet wait until it opens
+    one (at most 64 per request, for the 1024 most recent such requests); malformed payloads are counted in :attr:`rejected` and
     dropped.  Use as ``async with HandoffNode(channel) as node``."""
 
     def __init__(self, channel: MessageChannel, *, poll_interval: float = 0.05) -> None:
@@ -33,6 +32,7 @@ class HandoffNode:
         self._inboxes: dict[int, asyncio.Queue[HandoffMessage]] = {}
         self._early: dict[int, deque[HandoffMessage]] = {}
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def __aenter__(self) -> HandoffNode:
         self._task = asyncio.create_task(self._pump(), name=f"handoff-node-{self.name}")
@@ -42,9 +42,11 @@ class HandoffNode:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._task is not None:
+            # The flag ends the pump even if a wait_for inside the channel swallows
+            # the cancellation (a known asyncio race before Python 3.12).
+            self._stopping = True
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
     def open(self, request_id: int) -> asyncio.Queue[HandoffMessage]:
@@ -62,7 +64,7 @@ class HandoffNode:
         await self.channel.send(dst, int(msg.KIND), encode(msg))
 
     async def _pump(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 gram = await self.channel.recv(self.poll_interval)
             except PeerGone as e:
@@ -78,5 +80,7 @@ class HandoffNode:
             q = self._inboxes.get(msg.request_id)
             if q is not None:
                 q.put_nowait(msg)
-            elif msg.request_id in self._early or len(self._early) < MAX_EARLY_REQUESTS:
+            else:
+                if msg.request_id not in self._early and len(self._early) >= MAX_EARLY_REQUESTS:
+                    del self._early[next(iter(self._early))]  # forget the oldest orphan
                 self._early.setdefault(msg.request_id, deque(maxlen=MAX_EARLY_MESSAGES)).append(msg)
