@@ -262,12 +262,23 @@ class TcpSender:
         async with self._connect_lock:
             if self._connected:
                 return self
-            results = await asyncio.gather(
-                *(self._open_link() for _ in range(self.streams)), return_exceptions=True
-            )
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if len(errors) == len(results):
-                raise errors[0]
+            deadline = time.monotonic() + self.connect_timeout
+            delay = 0.02
+            while True:
+                results = await asyncio.gather(
+                    *(self._open_link() for _ in range(self.streams - len(self._links))),
+                    return_exceptions=True,
+                )
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if len(errors) < len(results) or self._links:
+                    break
+                fatal = [e for e in errors if isinstance(e, _FATAL_HANDSHAKE)]
+                if fatal:
+                    raise fatal[0]
+                if time.monotonic() + delay > deadline or self._closing:
+                    raise errors[0]
+                await asyncio.sleep(delay)  # transient (refused, reset): retry until the deadline
+                delay = min(2 * delay, 0.5)
             self._connected = True
             if errors:
                 self._start_reconnector()
