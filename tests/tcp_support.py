@@ -169,4 +169,6 @@ def make_certs(d: Path) -> dict[str, Path]:
             sh("openssl", "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey",
                "ca.key", "-CAcreateserial", "-days", "2", "-out", f"{name}.pem",
                "-extfile", f"{name}.ext")  # fmt: skip
-    return {p.stem + ("_key" if p.suffix == ".key" else ""): p for p in d.iterdir()}
+    out = {p.stem: p for p in d.glob("*.pem")}
+    out.update({p.stem + "_key": p for p in d.glob("*.key")})
+    return out

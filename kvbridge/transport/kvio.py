@@ -134,38 +134,48 @@ class _KVBase:
 
 class KVSource(_KVBase):
     """The wire bytes of tokens ``[start, end)`` and ``layers`` of one request,
-    packed from a :class:`kvbridge.pack.PagedKVCache` through its block table."""
+    packed from a :class:`kvbridge.pack.PagedKVCache` through its block table.
+    A CUDA cache packs into a pinned staging buffer, then copies to ``out``."""
 
     def read_into(self, offset: int, out: memoryview) -> None:
         _check(offset, len(out), self.nbytes)
-        buf = np.frombuffer(out, dtype=np.uint8)
+        n = len(out)
+        if getattr(self.cache, "is_cuda", False):
+            import torch
+
+            stage = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            self._pack.pack(
+                self.cache, self.block_table, self.start, self.end,
+                layers=self.layers, out=stage, offset=offset, nbytes=n,
+            )  # fmt: skip
+            torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
+            np.frombuffer(out, dtype=np.uint8)[:] = stage.numpy()
+            return
         self._pack.pack(
-            self.cache,
-            self.block_table,
-            self.start,
-            self.end,
-            layers=self.layers,
-            out=buf,
-            offset=offset,
-            nbytes=len(out),
-        )
+            self.cache, self.block_table, self.start, self.end,
+            layers=self.layers, out=np.frombuffer(out, dtype=np.uint8), offset=offset, nbytes=n,
+        )  # fmt: skip
 
 
 class KVSink(_KVBase):
-    """Unpacks verified chunks straight into the destination pages."""
+    """Unpacks verified chunks straight into the destination pages.  A CUDA
+    cache unpacks from a pinned staging copy and waits for the kernel."""
 
     def write(self, offset: int, data: memoryview) -> None:
         _check(offset, len(data), self.nbytes)
-        src = np.frombuffer(data, dtype=np.uint8)
+        src: Any = np.frombuffer(data, dtype=np.uint8)
+        cuda = getattr(self.cache, "is_cuda", False)
+        if cuda:
+            import torch
+
+            stage = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+            stage.numpy()[:] = src
+            src = stage
         self._pack.unpack(
             self.cache, self.block_table, self.start, self.end, src, layers=self.layers, offset=offset
         )
+        if cuda:
+            torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
 
     def flush(self) -> None:
-        """Wait for the unpack kernels of a CUDA cache (a no-op on host memory)."""
-        for t in getattr(self.cache, "tensors", ()) or ():
-            if getattr(t, "is_cuda", False):
-                import torch
-
-                torch.cuda.synchronize(t.device)
-                return
+        """Every write already waited for its kernel: nothing is pending."""

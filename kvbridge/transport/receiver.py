@@ -73,7 +73,7 @@ class ReceiverLimits:
     max_unknown_tokens: int = 8  # per connection, then the connection is closed
     max_stray_frames: int = 4096  # DATA for transfers not open on the connection
     max_bad_chunks: int = 32  # per transfer, then it is aborted
-    linger_s: float = 30.0  # a finished transfer still answers OPEN this long
+    linger_s: float = 30.0  # a finished or aborted transfer still answers OPEN this long
 
 
 def _abort_error(code: int, reason: str) -> KVBridgeError:
@@ -532,8 +532,8 @@ class TcpReceiver:
                     c.send(Abort(tid, code, reason or str(exc)))
         if exc is not None:
             t.held.clear()
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.limits.linger_s if t.complete else 0.0, self._forget, t)
+        # keep the record a while: a late OPEN learns the outcome (COMPLETE or ABORT)
+        asyncio.get_running_loop().call_later(self.limits.linger_s, self._forget, t)
 
     def _forget(self, t: _RxTransfer) -> None:
         self._expected.pop(t.handle.token, None)
