@@ -41,6 +41,8 @@ from ..wire.chunk import encode_chunk
 from ..wire.frames import (
     ALL_CAPABILITIES,
     DATA_HEADER_SIZE,
+    Capability,
+    ChunkCodec,
     DEFAULT_MAX_FRAME,
     TOKEN_SIZE,
     Abort,
@@ -246,6 +248,7 @@ class TcpSender:
             thread_name_prefix="kvb-tx",
         )
         self._links: list[_Link] = []
+        self._peer_caps = ALL_CAPABILITIES
         self._active: set[_TxTransfer] = set()
         self._connect_lock = asyncio.Lock()
         self._connected = False
@@ -308,6 +311,7 @@ class TcpSender:
             conn.close()
             raise PeerGone("sender closed")
         link = _Link(conn)
+        self._peer_caps = hs.peer.capabilities
         conn.set_write_limits(max(1 << 20, self.chunk_size))
         conn.on_close.append(lambda c, e: self._on_link_lost(link, e))
         conn.start(hs.peer, lambda c, m: self._on_message(link, m))
@@ -484,7 +488,7 @@ class TcpSender:
                 s.token_range[1],
                 s.layer_range[0],
                 s.layer_range[1],
-                ALL_CAPABILITIES,
+                self._peer_caps & ALL_CAPABILITIES,
                 t.priority,
                 t.request_id,
             )
@@ -567,6 +571,7 @@ class TcpSender:
                         t.grid.total,
                         t.mode,
                     )
+                    d = _clamp(d, self._peer_caps)
                     t.decision = d
                     t.handle.stats.compression = d.as_dict()
                     wire, ck = await loop.run_in_executor(
@@ -651,6 +656,18 @@ class TcpSender:
             t.handle.stats.seconds = time.perf_counter() - t.handle._t0
             self.policy.observe_goodput(t.grid.total, t.handle.stats.seconds)
         t.handle._resolve(exc)
+
+
+def _clamp(d: CompressionDecision, caps: int) -> CompressionDecision:
+    """Use only what the receiver announced in its HELLO_ACK."""
+    need = {ChunkCodec.LZ4: Capability.LZ4, ChunkCodec.ZSTD: Capability.ZSTD}.get(
+        ChunkCodec(d.codec), 0
+    )
+    if need and not caps & need:
+        d.codec, d.reason = ChunkCodec.RAW, f"receiver lacks {ChunkCodec(d.codec).name}"
+    if d.shuffle and (d.codec == ChunkCodec.RAW or not caps & Capability.SHUFFLE2):
+        d.shuffle = 0
+    return d
 
 
 def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:

@@ -415,10 +415,10 @@ def _ints(vals: tuple[int | bytes, ...]) -> list[int]:
 def decode_payload(ftype: int, flags: int, payload: memoryview) -> Message:
     """Decode one frame's payload.  Raises :class:`UnknownFrame` for a core type
     this version does not know and :class:`RemoteProtocolError` for a bad payload."""
-    if ftype >= CONTROL_FIRST:
-        return Control(ftype, flags, bytes(payload))
     if flags & FLAGS_CRITICAL_MASK:
         raise RemoteProtocolError(f"frame {ftype:#04x} sets unknown critical flags {flags:#06x}")
+    if ftype >= CONTROL_FIRST:
+        return Control(ftype, flags, bytes(payload))
     r = _Reader(payload, ftype)
     if ftype == FrameType.HELLO:
         mn, mx, auth, _, ch, mf, caps, nonce = r.take(_HELLO)
