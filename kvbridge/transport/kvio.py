@@ -1,0 +1,181 @@
+"""Data sources and sinks: what the transport reads from and writes to.
+
+The transport knows no KV.  A :class:`Source` gives the wire bytes of any
+slice ``[offset, offset + n)`` of a transfer; a :class:`Sink` stores verified
+bytes at an offset, in any order, each byte at most once.  Both are called
+from worker threads (the pack core releases the GIL).
+
+:class:`KVSource` / :class:`KVSink` are the KV-cache implementations on top of
+:mod:`kvbridge.pack`: the wire bytes of a token range and layer range of one
+request, packed from (unpacked into) its pages on the fly, so no buffer of the
+whole transfer ever exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import BufferTooSmall, InvalidArgument
+
+__all__ = ["BytesSink", "BytesSource", "KVSink", "KVSource", "Sink", "Source"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    nbytes: int  # total wire bytes
+    itemsize: int  # element size (2 enables the byte shuffle before compression)
+    layout_hash: int  # KVLayout.compat_hash, 0 for plain bytes
+    token_range: tuple[int, int]
+    layer_range: tuple[int, int]
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes ``[offset, offset + len(out))``."""
+
+
+@runtime_checkable
+class Sink(Protocol):
+    nbytes: int
+    layout_hash: int
+    token_range: tuple[int, int]
+    layer_range: tuple[int, int]
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Store verified bytes at ``offset`` (called once per byte, any order)."""
+
+    def flush(self) -> None:
+        """Make every written byte visible to the engine (e.g. sync a CUDA stream)."""
+
+
+def _check(offset: int, n: int, total: int) -> None:
+    if offset < 0 or n < 0 or offset + n > total:
+        raise BufferTooSmall(f"slice [{offset}, {offset + n}) outside a {total}-byte transfer")
+
+
+class BytesSource:
+    """A source over an in-memory buffer (bytes, bytearray, numpy array...)."""
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        itemsize: int = 1,
+        layout_hash: int = 0,
+        token_range: tuple[int, int] = (0, 0),
+        layer_range: tuple[int, int] = (0, 0),
+    ) -> None:
+        self._mv = memoryview(data).cast("B")
+        self.nbytes = len(self._mv)
+        self.itemsize = itemsize
+        self.layout_hash = layout_hash
+        self.token_range = token_range
+        self.layer_range = layer_range
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        _check(offset, len(out), self.nbytes)
+        out[:] = self._mv[offset : offset + len(out)]
+
+
+class BytesSink:
+    """A sink that fills a preallocated bytearray (``.data``)."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        layout_hash: int = 0,
+        token_range: tuple[int, int] = (0, 0),
+        layer_range: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.data = bytearray(nbytes)
+        self.nbytes = nbytes
+        self.layout_hash = layout_hash
+        self.token_range = token_range
+        self.layer_range = layer_range
+        self.writes = 0
+        self.flushed = False
+
+    def write(self, offset: int, data: memoryview) -> None:
+        _check(offset, len(data), self.nbytes)
+        self.data[offset : offset + len(data)] = data
+        self.writes += 1
+
+    def flush(self) -> None:
+        self.flushed = True
+
+
+class _KVBase:
+    def __init__(
+        self,
+        cache: Any,
+        block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None,
+    ) -> None:
+        from .. import pack as _pack
+
+        self._pack = _pack
+        layout = cache.layout
+        l0, l1 = layout.layer_range(layers)
+        if not 0 <= start <= end:
+            raise InvalidArgument(f"bad token range [{start}, {end})")
+        self.cache = cache
+        self.block_table = block_table
+        self.start, self.end = start, end
+        self.layers = (l0, l1)
+        self.nbytes = int(_pack.wire_nbytes(layout, start, end, (l0, l1)))
+        self.itemsize = layout.itemsize
+        self.layout_hash = layout.compat_hash
+        self.token_range = (start, end)
+        self.layer_range = (l0, l1)
+
+
+class KVSource(_KVBase):
+    """The wire bytes of tokens ``[start, end)`` and ``layers`` of one request,
+    packed from a :class:`kvbridge.pack.PagedKVCache` through its block table.
+    A CUDA cache packs into a pinned staging buffer, then copies to ``out``."""
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        _check(offset, len(out), self.nbytes)
+        n = len(out)
+        if getattr(self.cache, "is_cuda", False):
+            import torch
+
+            stage = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            self._pack.pack(
+                self.cache, self.block_table, self.start, self.end,
+                layers=self.layers, out=stage, offset=offset, nbytes=n,
+            )  # fmt: skip
+            torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
+            np.frombuffer(out, dtype=np.uint8)[:] = stage.numpy()
+            return
+        self._pack.pack(
+            self.cache, self.block_table, self.start, self.end,
+            layers=self.layers, out=np.frombuffer(out, dtype=np.uint8), offset=offset, nbytes=n,
+        )  # fmt: skip
+
+
+class KVSink(_KVBase):
+    """Unpacks verified chunks straight into the destination pages.  A CUDA
+    cache unpacks from a pinned staging copy and waits for the kernel."""
+
+    def write(self, offset: int, data: memoryview) -> None:
+        _check(offset, len(data), self.nbytes)
+        src: Any = np.frombuffer(data, dtype=np.uint8)
+        cuda = getattr(self.cache, "is_cuda", False)
+        if cuda:
+            import torch
+
+            stage = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+            stage.numpy()[:] = src
+            src = stage
+        self._pack.unpack(
+            self.cache, self.block_table, self.start, self.end, src, layers=self.layers, offset=offset
+        )
+        if cuda:
+            torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
+
+    def flush(self) -> None:
+        """Every write already waited for its kernel: nothing is pending."""

@@ -1,0 +1,59 @@
+"""The TCP transport's public face: sender, receiver, handles, the event loop.
+
+``TcpReceiver.expect(request_id, sink) -> ExpectHandle`` (carries the transfer
+token) and ``TcpSender.send(request_id, source, token=...) -> SendHandle``;
+docs/transport.md describes the API, docs/protocol.md the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .compress import CompressionDecision, CompressionPolicy
+from .conn import FrameConnection
+from .kvio import BytesSink, BytesSource, KVSink, KVSource, Sink, Source
+from .receiver import ExpectHandle, ReceiverLimits, TcpReceiver
+from .scheduler import ChunkScheduler
+from .sender import DEFAULT_CHUNK, DEFAULT_STREAMS, SendHandle, SendStats, TcpSender
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "DEFAULT_STREAMS",
+    "BytesSink",
+    "BytesSource",
+    "ChunkScheduler",
+    "CompressionDecision",
+    "CompressionPolicy",
+    "ExpectHandle",
+    "FrameConnection",
+    "KVSink",
+    "KVSource",
+    "ReceiverLimits",
+    "SendHandle",
+    "SendStats",
+    "Sink",
+    "Source",
+    "TcpReceiver",
+    "TcpSender",
+    "new_event_loop",
+    "run",
+]
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop loop where uvloop is installed, else the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on :func:`new_event_loop`."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(coro)

@@ -1,0 +1,474 @@
+"""Frame types, message structs and their exact byte encodings (docs/protocol.md).
+
+Every frame is a 12-byte little-endian header followed by ``length`` payload
+bytes::
+
+    magic  u32  0x4642564B  (the bytes "KVBF")
+    version u8  protocol version (1)
+    type    u8  FrameType
+    flags   u16 bit 0-7 optional (ignored when unknown), bit 8-15 critical
+    length  u32 payload bytes
+
+Payloads are fixed fields followed by extension bytes that a receiver ignores
+(fields are only ever appended).  Strings are ``u16 length + UTF-8``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+
+from ..errors import RemoteProtocolError, UnknownFrame
+
+MAGIC = 0x4642564B  # b"KVBF" little-endian
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1, 1)
+HEADER = struct.Struct("<IBBHI")
+HEADER_SIZE = HEADER.size  # 12
+NONCE_SIZE = 32
+PROOF_SIZE = 32
+TOKEN_SIZE = 16
+MIN_MAX_FRAME = 4096  # smallest max-frame a peer may announce
+DEFAULT_MAX_FRAME = (16 << 20) + 4096
+FLAGS_CRITICAL_MASK = 0xFF00
+MAX_STRING = 4096
+MAX_RANGES = 65535
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 0x01
+    HELLO_ACK = 0x02
+    AUTH = 0x03
+    READY = 0x04
+    ERROR = 0x05
+    PING = 0x06
+    PONG = 0x07
+    OPEN = 0x10
+    RESUME = 0x11
+    DATA = 0x12
+    ACK = 0x13
+    NACK = 0x14
+    ABORT = 0x15
+    COMPLETE = 0x16
+
+
+CONTROL_FIRST = 0x40  # 0x40-0xFF: CONTROL frames with opaque payloads
+HANDOFF_RANGE = range(0x40, 0x60)
+PREFIX_RANGE = range(0x60, 0x80)
+
+
+class AuthMethod(enum.IntEnum):
+    NONE = 0
+    PSK = 1
+
+
+class ChunkCodec(enum.IntEnum):
+    RAW = 0
+    LZ4 = 1
+    ZSTD = 2
+
+
+class Capability(enum.IntFlag):
+    LZ4 = 1
+    ZSTD = 2
+    SHUFFLE2 = 4
+
+
+ALL_CAPABILITIES = int(Capability.LZ4 | Capability.ZSTD | Capability.SHUFFLE2)
+
+
+class ErrorCode(enum.IntEnum):
+    """Codes of ERROR (connection) and ABORT (transfer) frames."""
+
+    UNSPECIFIED = 0
+    VERSION_MISMATCH = 1
+    INCOMPATIBLE_LAYOUT = 2
+    AUTH_FAILED = 3
+    IDENTITY_REJECTED = 4
+    PROTOCOL_ERROR = 5
+    FRAME_TOO_LARGE = 6
+    UNKNOWN_TOKEN = 7
+    TRANSFER_MISMATCH = 8
+    CANCELLED = 9
+    TIMEOUT = 10
+    RESOURCE_LIMIT = 11
+    SINK_ERROR = 12
+    SOURCE_ERROR = 13
+    SHUTDOWN = 14
+    CHECKSUM = 15
+    DECOMPRESS = 16
+
+
+# ---- messages -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    min_version: int
+    max_version: int
+    auth: int
+    compat_hash: int
+    max_frame: int
+    capabilities: int
+    nonce: bytes
+    identity: str
+
+
+@dataclass(frozen=True)
+class HelloAck:
+    version: int
+    auth: int
+    compat_hash: int
+    max_frame: int
+    capabilities: int
+    nonce: bytes
+    proof: bytes
+    identity: str
+
+
+@dataclass(frozen=True)
+class Auth:
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Ready:
+    pass
+
+
+@dataclass(frozen=True)
+class Error:
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ping:
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Pong:
+    nonce: int
+
+
+@dataclass(frozen=True)
+class Open:
+    transfer_id: int
+    token: bytes
+    layout_hash: int
+    total_bytes: int
+    chunk_size: int
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    codecs: int
+    priority: int
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Resume:
+    transfer_id: int
+    held: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Data:
+    transfer_id: int
+    seq: int
+    offset: int
+    raw_length: int
+    codec: int
+    shuffle: int
+    checksum: int
+    data: memoryview | bytes = field(repr=False)
+
+    @property
+    def wire_length(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class Ack:
+    transfer_id: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class Nack:
+    transfer_id: int
+    offset: int
+    length: int
+    code: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    transfer_id: int
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Complete:
+    transfer_id: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Control:
+    type: int
+    flags: int
+    payload: bytes
+
+
+Message = (
+    Hello
+    | HelloAck
+    | Auth
+    | Ready
+    | Error
+    | Ping
+    | Pong
+    | Open
+    | Resume
+    | Data
+    | Ack
+    | Nack
+    | Abort
+    | Complete
+    | Control
+)
+
+# ---- fixed parts --------------------------------------------------------------------------
+_HELLO = struct.Struct("<BBBBQII32s")  # 52
+_HELLO_ACK = struct.Struct("<BBHQII32s32s")  # 84
+_PING = struct.Struct("<Q")
+_OPEN = struct.Struct("<Q16sQQIIIHHBBH")  # 60
+_ID = struct.Struct("<Q")
+_RANGE = struct.Struct("<QQ")
+_COUNT = struct.Struct("<QI")  # transfer id + range count
+_DATA = struct.Struct("<QQQIIBBHQ")  # 44
+_NACK = struct.Struct("<QQQH")  # 26
+_ABORT = struct.Struct("<QH")  # 10
+_COMPLETE = struct.Struct("<QQ")
+_ERROR = struct.Struct("<H")
+_STRLEN = struct.Struct("<H")
+DATA_HEADER_SIZE = _DATA.size
+
+
+def _s(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    if len(raw) > MAX_STRING:
+        raise RemoteProtocolError(f"string of {len(raw)} bytes exceeds {MAX_STRING}")
+    return _STRLEN.pack(len(raw)) + raw
+
+
+def _ranges(ranges: tuple[tuple[int, int], ...]) -> bytes:
+    return b"".join(_RANGE.pack(o, n) for o, n in ranges)
+
+
+def encode_payload(msg: Message) -> tuple[int, int, bytes]:
+    """``(frame type, flags, payload)`` of a message.  DATA payloads exclude the
+    chunk bytes (see :func:`kvbridge.wire.codec.encode_frame`)."""
+    match msg:
+        case Hello():
+            p = _HELLO.pack(
+                msg.min_version,
+                msg.max_version,
+                msg.auth,
+                0,
+                msg.compat_hash,
+                msg.max_frame,
+                msg.capabilities,
+                msg.nonce,
+            )
+            return FrameType.HELLO, 0, p + _s(msg.identity)
+        case HelloAck():
+            p = _HELLO_ACK.pack(
+                msg.version,
+                msg.auth,
+                0,
+                msg.compat_hash,
+                msg.max_frame,
+                msg.capabilities,
+                msg.nonce,
+                msg.proof,
+            )
+            return FrameType.HELLO_ACK, 0, p + _s(msg.identity)
+        case Auth():
+            return FrameType.AUTH, 0, bytes(msg.proof)
+        case Ready():
+            return FrameType.READY, 0, b""
+        case Error():
+            return FrameType.ERROR, 0, _ERROR.pack(msg.code) + _s(msg.reason)
+        case Ping():
+            return FrameType.PING, 0, _PING.pack(msg.nonce)
+        case Pong():
+            return FrameType.PONG, 0, _PING.pack(msg.nonce)
+        case Open():
+            p = _OPEN.pack(
+                msg.transfer_id,
+                msg.token,
+                msg.layout_hash,
+                msg.total_bytes,
+                msg.chunk_size,
+                msg.token_start,
+                msg.token_end,
+                msg.layer_start,
+                msg.layer_end,
+                msg.codecs,
+                msg.priority,
+                0,
+            )
+            return FrameType.OPEN, 0, p + _s(msg.request_id)
+        case Resume():
+            return (
+                FrameType.RESUME,
+                0,
+                _COUNT.pack(msg.transfer_id, len(msg.held)) + _ranges(msg.held),
+            )
+        case Data():
+            p = _DATA.pack(
+                msg.transfer_id,
+                msg.seq,
+                msg.offset,
+                msg.raw_length,
+                len(msg.data),
+                msg.codec,
+                msg.shuffle,
+                0,
+                msg.checksum,
+            )
+            return FrameType.DATA, 0, p
+        case Ack():
+            return (
+                FrameType.ACK,
+                0,
+                _COUNT.pack(msg.transfer_id, len(msg.ranges)) + _ranges(msg.ranges),
+            )
+        case Nack():
+            return FrameType.NACK, 0, _NACK.pack(msg.transfer_id, msg.offset, msg.length, msg.code)
+        case Abort():
+            return FrameType.ABORT, 0, _ABORT.pack(msg.transfer_id, msg.code) + _s(msg.reason)
+        case Complete():
+            return FrameType.COMPLETE, 0, _COMPLETE.pack(msg.transfer_id, msg.total_bytes)
+        case Control():
+            if not CONTROL_FIRST <= msg.type <= 0xFF:
+                raise RemoteProtocolError(f"control type {msg.type:#x} outside 0x40-0xFF")
+            return msg.type, msg.flags, bytes(msg.payload)
+    raise TypeError(f"not a kvbridge message: {msg!r}")
+
+
+# ---- decoding -----------------------------------------------------------------------------
+class _Reader:
+    """Bounds-checked reads from one payload."""
+
+    def __init__(self, buf: memoryview, ftype: int) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.ftype = ftype
+
+    def take(self, st: struct.Struct) -> tuple[int | bytes, ...]:
+        if self.pos + st.size > len(self.buf):
+            raise RemoteProtocolError(
+                f"frame {self.ftype:#04x}: payload of {len(self.buf)} bytes is truncated"
+            )
+        out = st.unpack_from(self.buf, self.pos)
+        self.pos += st.size
+        return tuple(out)
+
+    def string(self) -> str:
+        (n,) = self.take(_STRLEN)
+        assert isinstance(n, int)
+        if n > MAX_STRING or self.pos + n > len(self.buf):
+            raise RemoteProtocolError(f"frame {self.ftype:#04x}: bad string length {n}")
+        raw = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError(f"frame {self.ftype:#04x}: string is not UTF-8") from None
+
+    def ranges(self, count: int) -> tuple[tuple[int, int], ...]:
+        if count > MAX_RANGES or self.pos + count * _RANGE.size > len(self.buf):
+            raise RemoteProtocolError(f"frame {self.ftype:#04x}: bad range count {count}")
+        out = tuple(
+            (int(o), int(n))
+            for o, n in (
+                _RANGE.unpack_from(self.buf, self.pos + i * _RANGE.size) for i in range(count)
+            )
+        )
+        self.pos += count * _RANGE.size
+        return out
+
+
+def _ints(vals: tuple[int | bytes, ...]) -> list[int]:
+    out = []
+    for v in vals:
+        assert isinstance(v, int)
+        out.append(v)
+    return out
+
+
+def decode_payload(ftype: int, flags: int, payload: memoryview) -> Message:
+    """Decode one frame's payload.  Raises :class:`UnknownFrame` for a core type
+    this version does not know and :class:`RemoteProtocolError` for a bad payload."""
+    if flags & FLAGS_CRITICAL_MASK:
+        raise RemoteProtocolError(f"frame {ftype:#04x} sets unknown critical flags {flags:#06x}")
+    if ftype >= CONTROL_FIRST:
+        return Control(ftype, flags, bytes(payload))
+    r = _Reader(payload, ftype)
+    if ftype == FrameType.HELLO:
+        mn, mx, auth, _, ch, mf, caps, nonce = r.take(_HELLO)
+        assert isinstance(nonce, bytes)
+        a, b, c, d, e, f = _ints((mn, mx, auth, ch, mf, caps))
+        return Hello(a, b, c, d, e, f, nonce, r.string())
+    if ftype == FrameType.HELLO_ACK:
+        v, auth, _, ch, mf, caps, nonce, proof = r.take(_HELLO_ACK)
+        assert isinstance(nonce, bytes) and isinstance(proof, bytes)
+        a, b, c, d, e = _ints((v, auth, ch, mf, caps))
+        return HelloAck(a, b, c, d, e, nonce, proof, r.string())
+    if ftype == FrameType.AUTH:
+        if len(payload) < PROOF_SIZE:
+            raise RemoteProtocolError("AUTH payload is truncated")
+        return Auth(bytes(payload[:PROOF_SIZE]))
+    if ftype == FrameType.READY:
+        return Ready()
+    if ftype == FrameType.ERROR:
+        (code,) = _ints(r.take(_ERROR))
+        return Error(code, r.string())
+    if ftype in (FrameType.PING, FrameType.PONG):
+        (n,) = _ints(r.take(_PING))
+        return Ping(n) if ftype == FrameType.PING else Pong(n)
+    if ftype == FrameType.OPEN:
+        vals = r.take(_OPEN)
+        token = vals[1]
+        assert isinstance(token, bytes)
+        tid, lh, tot, cs, ts, te, ls, le, codecs, prio, _ = _ints(vals[:1] + vals[2:])
+        return Open(tid, token, lh, tot, cs, ts, te, ls, le, codecs, prio, r.string())
+    if ftype == FrameType.RESUME:
+        tid, count = _ints(r.take(_COUNT))
+        return Resume(tid, r.ranges(count))
+    if ftype == FrameType.DATA:
+        tid, seq, off, raw, wl, codec, shuf, _, ck = _ints(r.take(_DATA))
+        if wl > len(payload) - _DATA.size:
+            raise RemoteProtocolError(
+                f"DATA wire length {wl} exceeds payload of {len(payload)} bytes"
+            )
+        data = payload[len(payload) - wl :]
+        return Data(tid, seq, off, raw, codec, shuf, ck, data)
+    if ftype == FrameType.ACK:
+        tid, count = _ints(r.take(_COUNT))
+        return Ack(tid, r.ranges(count))
+    if ftype == FrameType.NACK:
+        tid, off, n, code = _ints(r.take(_NACK))
+        return Nack(tid, off, n, code)
+    if ftype == FrameType.ABORT:
+        tid, code = _ints(r.take(_ABORT))
+        return Abort(tid, code, r.string())
+    if ftype == FrameType.COMPLETE:
+        tid, total = _ints(r.take(_COMPLETE))
+        return Complete(tid, total)
+    raise UnknownFrame(f"unknown frame type {ftype:#04x}")

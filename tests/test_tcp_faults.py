@@ -1,0 +1,254 @@
+"""Faults: connection resets at random points (resume), damaged chunks
+(resend), silent peers (keepalive), hostile frames, resource limits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tcp_support import FaultProxy, OnceSink, arun
+
+from kvbridge.errors import PeerGone, ResourceLimit
+from kvbridge.transport.conn import FrameConnection
+from kvbridge.transport.kvio import BytesSink, BytesSource
+from kvbridge.transport.sender import TcpSender, _TxTransfer
+from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver
+from kvbridge.wire import ClientHandshake, FrameDecoder, encode_frame
+from kvbridge.wire.frames import Data, Error, ErrorCode, Open, Ready
+
+KiB, MiB = 1024, 1 << 20
+
+
+class AckAudit:
+    """Asserts, at the moment a DATA frame is written, that its chunk was not
+    acknowledged before (no acknowledged byte is ever sent again)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent = 0
+        orig_send = FrameConnection.send
+        audit = self
+
+        def send(conn: FrameConnection, msg: object) -> None:
+            if isinstance(msg, Data):
+                audit.sent += 1
+                for t in audit.transfers:
+                    for link, tid in t.opened.items():
+                        if link.conn is conn and tid == msg.transfer_id:
+                            assert msg.seq not in t.acked, f"acked chunk {msg.seq} sent again"
+            orig_send(conn, msg)  # type: ignore[arg-type]
+
+        self.transfers: list[_TxTransfer] = []
+        orig_init = _TxTransfer.__init__
+
+        def init(t: _TxTransfer, *a: object, **k: object) -> None:
+            orig_init(t, *a, **k)  # type: ignore[arg-type]
+            audit.transfers.append(t)
+
+        monkeypatch.setattr(FrameConnection, "send", send)
+        monkeypatch.setattr(_TxTransfer, "__init__", init)
+
+
+def resume_case(resets: list[int | None], size: int, streams: int, chunk: int) -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        proxy = FaultProxy(rx.port, reset_after=resets)
+        port = await proxy.start()
+        tx = TcpSender("127.0.0.1", port, streams=streams, chunk_size=chunk, reconnect_timeout=10)
+        data = os.urandom(size)
+        sink = OnceSink(size)
+        h = rx.expect("r", sink, timeout=30)
+        sh = tx.send("r", BytesSource(data), token=h.token, timeout=30)
+        await sh.wait(30)
+        await h.wait(30)
+        assert bytes(sink.data) == data
+        assert len(sink.spans) == -(-size // chunk)  # every chunk written exactly once
+        await tx.close()
+        await proxy.close()
+        await rx.close()
+
+    arun(main(), 60)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    resets=st.lists(st.one_of(st.none(), st.integers(0, 3 * MiB)), min_size=1, max_size=6),
+    size=st.integers(1, 3 * MiB),
+    streams=st.integers(1, 3),
+    chunk=st.sampled_from([64 * KiB, 256 * KiB]),
+)
+def test_resume_after_resets_at_random_points(
+    monkeypatch: pytest.MonkeyPatch,
+    resets: list[int | None],
+    size: int,
+    streams: int,
+    chunk: int,
+) -> None:
+    with monkeypatch.context() as mp:
+        audit = AckAudit(mp)
+        resume_case(resets, size, streams, chunk)
+        assert audit.sent >= -(-size // chunk)
+
+
+def test_resume_when_every_connection_drops_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    AckAudit(monkeypatch)
+    # all three first connections die mid-transfer; the sender reconnects
+    resume_case([700 * KiB, 900 * KiB, 1100 * KiB], 6 * MiB, 3, 128 * KiB)
+
+
+def test_damaged_chunks_are_resent_never_delivered() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        proxy = FaultProxy(rx.port, corrupt={0, 3, 4, 9})
+        port = await proxy.start()
+        tx = TcpSender("127.0.0.1", port, streams=2, chunk_size=64 * KiB)
+        data = os.urandom(MiB)
+        sink = OnceSink(len(data))
+        h = rx.expect("r", sink)
+        stats = await tx.send("r", BytesSource(data), token=h.token).wait(20)
+        await h.wait(20)
+        assert bytes(sink.data) == data
+        assert h.stats["bad_chunks"] == 4 and stats.retries == 4
+        assert len(sink.spans) == 16
+        await tx.close()
+        await proxy.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_keepalive_detects_silent_peer() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver(keepalive_interval=0.05, keepalive_timeout=0.3).start()
+        proxy = FaultProxy(rx.port)
+        port = await proxy.start()
+        tx = TcpSender(
+            "127.0.0.1", port, streams=1, keepalive_interval=0.05, keepalive_timeout=0.3,
+            reconnect_timeout=0.5,
+        )  # fmt: skip
+        await tx.connect()
+        (link,) = tx._links
+        proxy.stall = True  # the sender's bytes (its pings too) stop arriving
+        await asyncio.wait_for(link.conn.wait_closed(), 5)
+        assert isinstance(link.conn.close_error, PeerGone)
+        proxy.stall = False
+        await tx.close()
+        await proxy.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_sender_fails_with_peer_gone_when_receiver_disappears() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=64 * KiB, reconnect_timeout=0.3)
+        h = rx.expect("r", BytesSink(64 * MiB))
+        sh = tx.send("r", BytesSource(bytes(64 * MiB)), token=h.token)
+        while sh.acked_bytes == 0:
+            await asyncio.sleep(0.001)
+        await rx.close()
+        with pytest.raises(Exception) as ei:
+            await sh.wait(10)
+        assert isinstance(ei.value, PeerGone | Exception)
+        await tx.close()
+
+    arun(main())
+
+
+# ---- hostile bytes on a real socket -----------------------------------------------------
+async def raw_client(port: int, handshake: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    if handshake:
+        hs = ClientHandshake("raw", 0)
+        dec = FrameDecoder()
+        w.write(encode_frame(hs.hello()))
+        ack = dec.feed(await r.read(4096))[0]
+        w.write(encode_frame(hs.on_hello_ack(ack)))  # type: ignore[arg-type]
+        got = dec.feed(await r.read(4096))
+        assert isinstance(got[0], Ready)
+    return r, w
+
+
+async def read_error(r: asyncio.StreamReader) -> Error:
+    dec = FrameDecoder()
+    while True:
+        data = await asyncio.wait_for(r.read(65536), 5)
+        assert data, "closed without an ERROR frame"
+        for m in dec.feed(data):
+            if isinstance(m, Error):
+                return m
+
+
+@pytest.mark.parametrize(
+    "blob, code",
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", ErrorCode.PROTOCOL_ERROR),
+        (struct.pack("<IBBHI", 0x4642564B, 1, 0x12, 0, 0xFFFFFFF0), ErrorCode.FRAME_TOO_LARGE),
+        (struct.pack("<IBBHI", 0x4642564B, 1, 0x2A, 0, 0), ErrorCode.PROTOCOL_ERROR),
+        (struct.pack("<IBBHI", 0x4642564B, 9, 0x06, 0, 8) + bytes(8), ErrorCode.VERSION_MISMATCH),
+        (encode_frame(Ready()), ErrorCode.PROTOCOL_ERROR),  # a sender may not send READY
+    ],
+)
+def test_hostile_frames_after_handshake(blob: bytes, code: ErrorCode) -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        r, w = await raw_client(rx.port)
+        w.write(blob)
+        err = await read_error(r)
+        assert err.code == code
+        assert await asyncio.wait_for(r.read(), 5) == b""  # then it closes
+        w.close()
+        await w.wait_closed()
+        await rx.close()
+
+    arun(main())
+
+
+def test_garbage_before_handshake_is_refused() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver(handshake_timeout=1).start()
+        r, w = await raw_client(rx.port, handshake=False)
+        w.write(b"\x00" * 64)
+        err = await read_error(r)
+        assert err.code == ErrorCode.PROTOCOL_ERROR
+        w.close()
+        await w.wait_closed()
+        assert rx.stats["handshake_failures"] == 1
+        await rx.close()
+
+    arun(main())
+
+
+def test_token_guessing_closes_the_connection() -> None:
+    async def main() -> None:
+        limits = ReceiverLimits(max_unknown_tokens=3)
+        rx = await TcpReceiver(limits=limits).start()
+        r, w = await raw_client(rx.port)
+        for i in range(5):
+            w.write(encode_frame(Open(i + 1, os.urandom(16), 0, 10, 10, 0, 0, 0, 0, 0, 0, "x")))
+        err = await read_error(r)
+        assert err.code == ErrorCode.AUTH_FAILED
+        w.close()
+        await w.wait_closed()
+        await rx.close()
+
+    arun(main())
+
+
+def test_connection_limit_per_peer() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver(limits=ReceiverLimits(max_connections_per_peer=2)).start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2)
+        await tx.connect()
+        extra = TcpSender("127.0.0.1", rx.port, streams=1)
+        with pytest.raises(ResourceLimit):
+            await extra.connect()
+        await extra.close()
+        await tx.close()
+        await rx.close()
+
+    arun(main())

@@ -1,0 +1,127 @@
+"""The receiver's protocol logic driven byte by byte through a mock transport
+(no sockets): handshake, OPEN / RESUME, DATA, duplicates, NACK, hostile frames."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from tcp_support import arun
+
+from kvbridge.transport.conn import FrameConnection
+from kvbridge.transport.kvio import BytesSink
+from kvbridge.transport.mock import MockTransport
+from kvbridge.transport.tcp import TcpReceiver
+from kvbridge.wire import ClientHandshake, encode_frame
+from kvbridge.wire.chunk import checksum
+from kvbridge.wire.frames import (
+    Abort,
+    Ack,
+    Complete,
+    Control,
+    Data,
+    Error,
+    ErrorCode,
+    HelloAck,
+    Nack,
+    Open,
+    Ready,
+    Resume,
+)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+
+
+async def handshaken(rx: TcpReceiver, psk: bytes | None = None) -> MockTransport:
+    conn = FrameConnection(on_made=rx._on_made)
+    t = MockTransport(conn)
+    hs = ClientHandshake("mock-sender", rx.compat_hash, psk=psk)
+    t.feed(encode_frame(hs.hello()))
+    await settle()
+    (ack,) = t.read_messages()
+    assert isinstance(ack, HelloAck)
+    t.feed(encode_frame(hs.on_hello_ack(ack)))
+    await settle()
+    assert t.read_messages() == [Ready()]
+    return t
+
+
+def data_frame(tid: int, seq: int, off: int, body: bytes, ck: int | None = None) -> bytes:
+    c = checksum(body) if ck is None else ck
+    return encode_frame(Data(tid, seq, off, len(body), 0, 0, c, body))
+
+
+def test_open_data_duplicate_nack_complete() -> None:
+    async def main() -> None:
+        rx = TcpReceiver(psk=b"k" * 16, keepalive_interval=60)
+        payload = os.urandom(25)
+        sink = BytesSink(25)
+        h = rx.expect("req", sink)
+        t = await handshaken(rx, psk=b"k" * 16)
+        t.feed(encode_frame(Open(5, os.urandom(16), 0, 25, 10, 0, 0, 0, 0, 7, 0, "req")))
+        t.feed(encode_frame(Open(6, h.token, 0, 25, 10, 0, 0, 0, 0, 7, 0, "req")))
+        await settle()
+        a, r = t.read_messages()
+        assert isinstance(a, Abort) and a.transfer_id == 5 and a.code == ErrorCode.UNKNOWN_TOKEN
+        assert r == Resume(6, ())
+        t.feed(data_frame(6, 1, 10, payload[10:20]))
+        t.feed(data_frame(6, 0, 0, payload[:10], ck=123))  # damaged
+        await settle()
+        msgs = t.read_messages()
+        assert Ack(6, ((10, 10),)) in msgs
+        assert Nack(6, 0, 10, ErrorCode.CHECKSUM) in msgs
+        t.feed(data_frame(6, 1, 10, payload[10:20]))  # duplicate: acked again, not rewritten
+        t.feed(data_frame(6, 0, 0, payload[:10]))
+        t.feed(data_frame(6, 2, 20, payload[20:]))
+        await settle()
+        msgs = t.read_messages()
+        assert msgs[-1] == Complete(6, 25)
+        assert await h == 25 and bytes(sink.data) == payload and sink.writes == 3
+        assert h.stats["duplicates"] == 1 and h.stats["bad_chunks"] == 1
+        t.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_off_grid_data_is_a_protocol_error() -> None:
+    async def main() -> None:
+        rx = TcpReceiver(keepalive_interval=60)
+        h = rx.expect("req", BytesSink(25))
+        t = await handshaken(rx)
+        t.feed(encode_frame(Open(1, h.token, 0, 25, 10, 0, 0, 0, 0, 7, 0, "req")))
+        t.feed(data_frame(1, 0, 3, b"x" * 10))
+        await settle()
+        msgs = t.read_messages()
+        assert isinstance(msgs[-1], Error) and msgs[-1].code == ErrorCode.PROTOCOL_ERROR
+        assert t.closed and h.received_bytes == 0
+        h.cancel()
+        await rx.close()
+
+    arun(main())
+
+
+def test_control_frames_reach_their_handler() -> None:
+    async def main() -> None:
+        rx = TcpReceiver(keepalive_interval=60)
+        seen: list[tuple[int, bytes]] = []
+
+        def on_handoff(conn: FrameConnection, typ: int, payload: bytes) -> None:
+            seen.append((typ, payload))
+            conn.send_control(typ + 1, payload[::-1])
+
+        rx.on_control(0x41, on_handoff)
+        t = await handshaken(rx)
+        t.feed(encode_frame(Control(0x41, 0, b"tokens:1,2,3")))
+        t.feed(encode_frame(Control(0x66, 0, b"no handler: dropped")))
+        await settle()
+        assert seen == [(0x41, b"tokens:1,2,3")]
+        assert t.read_messages() == [Control(0x42, 0, b"3,2,1:snekot")]
+        assert not t.closed
+        t.close()
+        await rx.close()
+
+    arun(main())
