@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "pack": "pack/unpack bandwidth for real KV layouts vs memcpy and torch",
     "radix": "WAN bytes saved by the decode-side radix cache on an agent trace",
+    "demo": "the full cross-datacenter PDD demo (what `make demo` runs)",
     "handoff": "100-token handoff: token IDs vs incremental KV over an emulated WAN",
 }
 

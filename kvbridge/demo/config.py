@@ -17,11 +17,11 @@ __all__ = ["DemoConfig"]
 class DemoConfig:
     # the model (the reference decoder; same seeded weights on every role)
     num_layers: int = 4
-    hidden_size: int = 256
-    num_heads: int = 8
+    hidden_size: int = 128
+    num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 32
-    intermediate_size: int = 512
+    intermediate_size: int = 256
     vocab_size: int = 2048
     model_seed: int = 0
     kv_dtype: str = "fp32"
@@ -38,7 +38,7 @@ class DemoConfig:
     md_pages: int = 2048
     # the WAN between datacenters
     wan_mode: str = "auto"  # "netns" (packet-level), "proxy", or "auto"
-    wan_rate_bps: float = 60e6
+    wan_rate_bps: float = 40e6
     wan_rtt_ms: float = 40.0
     wan_loss: float = 0.0
     wan_streams: int = 4
@@ -51,19 +51,20 @@ class DemoConfig:
     extend_token_s: float = 0.0005
     # handoff
     handoff_threshold: int = 16
-    relay_token_budget: int = 256
+    relay_token_budget: int = 24  # capped below each request's output length
+    relay_capped_wait_s: float = 5.0
     # router
     ttft_target_s: float = 0.5
     # sampling
     temperature: float = 0.8
     top_k: int = 50
-    max_new_tokens: int = 32
-    min_new_tokens: int = 8
+    max_new_tokens: int = 48
+    min_new_tokens: int = 24
     # trace
     trace_seed: int = 0
     trace_sessions: int = 4
     max_requests: int = 40
-    arrival_scale: float = 0.5  # multiply the trace's arrival times
+    arrival_scale: float = 1.0  # multiply the trace's arrival times
     request_timeout_s: float = 60.0
     pipelines: list[str] = field(default_factory=lambda: ["baseline", "radix", "pdd"])
 
@@ -103,9 +104,9 @@ class DemoConfig:
         return cls(
             trace_sessions=2,
             max_requests=8,
-            max_new_tokens=16,
-            min_new_tokens=6,
-            arrival_scale=0.2,
+            max_new_tokens=20,
+            min_new_tokens=12,
+            arrival_scale=0.5,
             p_pages=1024,
             rld_pages=1024,
             md_pages=1024,

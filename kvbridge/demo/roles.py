@@ -277,11 +277,18 @@ class MainDecode(_Role):
                 pace=pace_of(self.cfg),
             )
             stats.update(took_over=res.took_over, switch_at=res.switch_at, state=res.state.name)
-        except (KVBridgeError, TimeoutError) as e:
+        except Exception as e:  # reported to the driver, never swallowed
             stats["error"] = f"{type(e).__name__}: {e}"
             log.warning("main decode, request %s: %s", rid, e)
         finally:
             self.starts.pop(rid, None)
+            if not completion and not exp.done():
+                # the relay finished the request first: still take the KV, so
+                # the radix cache stays aligned with the prefill side's
+                with contextlib.suppress(Exception):
+                    st = await exp.wait(self.cfg.request_timeout_s)
+                    stats["wan_bytes"] = st.bytes
+                    completion.append(self.negotiator.complete(lease.lease_id))
             if completion:
                 self.negotiator.finish(completion[0])
             else:
@@ -309,9 +316,6 @@ class RelayDecode(_Role):
         await self.bridge.start()
         self.md: TcpSender | None = None
         self.active = 0
-        self.policy = HandoffPolicy(
-            threshold=cfg.handoff_threshold, token_budget=cfg.relay_token_budget
-        )
 
     async def teardown(self) -> None:
         if self.md is not None:
@@ -364,6 +368,13 @@ class RelayDecode(_Role):
     async def _relay(self, spec: RequestSpec, exp: Expectation) -> None:
         self.active += 1
         stats: dict[str, Any] = {"rid": spec.request_id}
+        cfg = self.cfg
+        # the relay only hides latency: its output is capped below the request's,
+        # so every request ends on the main decode (P-RLD is excluded)
+        budget = max(1, min(cfg.relay_token_budget, spec.params.max_new_tokens - 1))
+        policy = HandoffPolicy(
+            threshold=cfg.handoff_threshold, token_budget=budget, min_budget=min(budget, 32)
+        )
         try:
 
             async def load_kv(engine: Engine, spec: RequestSpec) -> None:
@@ -377,8 +388,8 @@ class RelayDecode(_Role):
                 load_kv,
                 main="md",
                 client="client",
-                policy=self.policy,
-                timeouts=HandoffTimeouts(),
+                policy=policy,
+                timeouts=HandoffTimeouts(capped_wait=cfg.relay_capped_wait_s),
                 kv_timeout=self.cfg.request_timeout_s,
                 load=lambda: min(1.0, self.active / 8.0),
                 pace=pace_of(self.cfg),
@@ -390,7 +401,7 @@ class RelayDecode(_Role):
                 commit_at=res.commit_at,
                 state=res.state.name,
             )
-        except (KVBridgeError, TimeoutError) as e:
+        except Exception as e:  # reported to the driver, never swallowed
             stats["error"] = f"{type(e).__name__}: {e}"
             log.warning("relay, request %s: %s", spec.request_id, e)
         finally:

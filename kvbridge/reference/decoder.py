@@ -140,6 +140,7 @@ class ReferenceDecoder:
         self.dtype = weight_dtype
         # An engine with a prefix cache shares one allocator with it
         # (kvbridge.cache.RadixCache); anything with alloc(n) / free(pages).
+        self.num_pages = num_pages
         self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
         self.kv_cache: list[torch.Tensor] = [
             torch.zeros(
@@ -324,7 +325,7 @@ class ReferenceDecoder:
         c = self.config
         pos = torch.cat([torch.arange(p0, p0 + n) for _, _, p0, n in segs])
         x = self.embed[torch.as_tensor(flat, device=self.device)]
-        num_pages = self.allocator.num_pages
+        num_pages = self.num_pages
         slots = [
             slot_index(self.layout, r.block_table, p0, p0 + n, num_pages) for _, r, p0, n in segs
         ]
