@@ -227,7 +227,12 @@ async def _replay(
             await asyncio.wait_for(client.done[rid].wait(), cfg.request_timeout_s)
         except Exception as e:
             rec.error = rec.error or f"{type(e).__name__}: {e}"
+        for _ in range(40):  # the roles' reports trail the last token slightly
+            if rid in client.md_stats and (rec.pipeline != "P-RLD-MD" or rid in client.rld_stats):
+                break
+            await asyncio.sleep(0.05)
         md = client.md_stats.get(rid, {})
+        rec.detail = {"md": md, "rld": client.rld_stats.get(rid, {})}
         if md.get("switch_at") is not None and rec.relay_tokens:
             rec.switch_at = int(md["switch_at"])
         rec.exact = not rec.error and rec.tokens == refs[r.rid]

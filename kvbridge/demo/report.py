@@ -31,6 +31,7 @@ class RequestRecord:
     switch_at: int | None = None
     exact: bool = False
     error: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)  # what P, RLD and MD reported
 
     @property
     def ttft(self) -> float:

@@ -55,6 +55,7 @@ log = logging.getLogger("kvbridge.demo")
 
 HANDOFF_TYPES = (Kind.READY, Kind.TOKENS, Kind.ACK, Kind.DONE)
 PREFIX_QUERY, PREFIX_REPLY = 0x60, 0x61
+RELAY_IDENTITY = "relay-decode"
 
 
 def params_from(d: dict[str, Any]) -> SamplingParams:
@@ -173,7 +174,6 @@ class MainDecode(_Role):
         self.bridge.on_control(Kind.START, self._on_start)
         for t in HANDOFF_TYPES:
             self.bridge.on_control(t, self._on_handoff)
-        self.relay_conn: Any = None
         self.channel.route("rld", self._to_relay)
         self.enabled = True
 
@@ -196,13 +196,10 @@ class MainDecode(_Role):
 
     # -- incoming control frames (called from the transport) --
     def _on_handoff(self, conn: Any, frame_type: int, payload: bytes) -> None:
-        self.relay_conn = conn
         self.channel.deliver("rld", frame_type, payload)
 
     def _to_relay(self, frame_type: int, payload: bytes) -> None:
-        if self.relay_conn is None or self.relay_conn.closed:
-            raise PeerGone("no connection from the relay decode")
-        self.relay_conn.send_control(frame_type, payload)
+        self.bridge.tcp.send_control(RELAY_IDENTITY, frame_type, payload)
 
     def _start_future(self, rid: int) -> asyncio.Future[Start]:
         fut = self.starts.get(rid)
@@ -334,7 +331,7 @@ class RelayDecode(_Role):
             msg["host"],
             int(msg["port"]),
             streams=1,
-            identity="relay-decode",
+            identity=RELAY_IDENTITY,
             compat_hash=self.layout.compat_hash,
             compression="off",
         )

@@ -285,6 +285,20 @@ class TcpReceiver:
         the handler may answer with ``conn.send_control``."""
         self._control[type] = handler
 
+    def send_control(self, identity: str, type: int, payload: bytes, flags: int = 0) -> None:
+        """Send a CONTROL frame to the connected sender that authenticated as
+        ``identity`` (on one of its live connections)."""
+        peer = self._peers.get(identity)
+        for conn in sorted(peer.conns, key=id) if peer is not None else ():
+            if not conn.closed:
+                conn.send_control(type, payload, flags)
+                return
+        raise PeerGone(f"no live connection from {identity!r}")
+
+    def peer_identities(self) -> list[str]:
+        """Identities of the senders that are connected now."""
+        return [i for i, p in self._peers.items() if any(not c.closed for c in p.conns)]
+
     @property
     def inflight_bytes(self) -> int:
         return sum(p.inflight for p in self._peers.values())
