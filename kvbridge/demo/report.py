@@ -76,6 +76,7 @@ class PipelineSummary:
     output_tokens: int
     relay_tokens: int
     decisions: dict[str, int]
+    md_hit: float  # tokens the main decode already held / prompt tokens
     wall_s: float
     ttfts: list[float]
 
@@ -108,6 +109,7 @@ def summarize(name: str, records: list[RequestRecord], wall_s: float) -> Pipelin
         output_tokens=sum(len(r.tokens) for r in records),
         relay_tokens=sum(r.relay_tokens for r in records),
         decisions=dict(Counter(r.pipeline for r in records)),
+        md_hit=sum(r.matched_tokens for r in records) / max(1, sum(r.input_tokens for r in records)),
         wall_s=wall_s,
         ttfts=[t for t in ttfts if math.isfinite(t)],
     )
@@ -120,7 +122,7 @@ def _ms(x: float) -> str:
 def format_table(summaries: list[PipelineSummary]) -> str:
     head = (
         f"{'pipeline':<34}{'done':>9}{'exact':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
-        f"{'TBT p50':>9}{'switch gap':>11}{'WAN MiB':>9}{'relay %':>8}  decisions"
+        f"{'TBT p50':>9}{'switch gap':>11}{'WAN MiB':>9}{'MD hit':>7}{'relay %':>8}  decisions"
     )
     lines = [head, "-" * len(head)]
     for s in summaries:
@@ -128,7 +130,7 @@ def format_table(summaries: list[PipelineSummary]) -> str:
         lines.append(
             f"{s.name:<34}{s.completed:>4}/{s.requests:<4}{s.exact:>7}{_ms(s.ttft_p50):>10}"
             f"{_ms(s.ttft_p90):>9}{_ms(s.ttft_p99):>9}{_ms(s.tbt_p50):>9}"
-            f"{_ms(s.switch_gap_max):>11}{s.wan_bytes / 2**20:>9.1f}"
+            f"{_ms(s.switch_gap_max):>11}{s.wan_bytes / 2**20:>9.1f}{100 * s.md_hit:>6.1f}%"
             f"{100 * s.relay_share:>7.1f}%  {dec}"
         )
     lines.append("(times in ms; switch gap: the longest time between tokens around the handoff)")
@@ -151,7 +153,8 @@ def plot_ttft_cdf(summaries: list[PipelineSummary], path: Path) -> bool:
             continue
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         ax.step([x * 1e3 for x in xs], ys, where="post", label=s.name)
-    ax.set_xlabel("time to first token (ms)")
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (ms, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("kvbridge demo: TTFT CDF per pipeline")
     ax.grid(True, alpha=0.3)
