@@ -49,6 +49,8 @@ class Delivery:
         self._cancel = cancel
         self._t0 = time.perf_counter()
         self._task: asyncio.Task[DeliveryStats] = asyncio.ensure_future(self._run(inner, finish))
+        # a failed delivery nobody awaits must not be reported as "never retrieved"
+        self._task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _run(
         self, inner: Awaitable[Any], finish: Callable[[Any, DeliveryStats], None] | None

@@ -37,6 +37,7 @@ class PeerConfig:
     connect_timeout: float = 10.0
     keepalive_interval: float = 5.0
     keepalive_timeout: float = 20.0
+    reconnect_timeout: float = 30.0  # after a connection drops, before PeerGone
 
 
 class PrefillBridge:
@@ -77,6 +78,7 @@ class PrefillBridge:
                 connect_timeout=peer.connect_timeout,
                 keepalive_interval=peer.keepalive_interval,
                 keepalive_timeout=peer.keepalive_timeout,
+                reconnect_timeout=peer.reconnect_timeout,
                 compression=peer.compression,
             )
             try:
@@ -276,6 +278,10 @@ class LayerwiseSend:
 
     def layers_ready(self, layer_end: int) -> None:
         """Layers below ``layer_end`` are computed: let them leave."""
+        if not 0 <= layer_end <= self.bridge.layout.num_layers:
+            raise InvalidArgument(
+                f"layer {layer_end} outside [0, {self.bridge.layout.num_layers}]"
+            )
         for src in self._sources.values():
             src.mark_ready(min(max(layer_end, src.layers[0]), src.layers[1]))
         for name, parts in self._ucx_parts.items():

@@ -429,6 +429,13 @@ class TcpSender:
             return
         if t.finished:
             return
+        # OPEN at once on one connection: the receiver checks the token now,
+        # and a cancel reaches it even before the first chunk is ready
+        for link in self._links:
+            if not link.conn.closed:
+                with contextlib.suppress(KVBridgeError):
+                    self._open_on(link, t)
+                break
         self.scheduler.add(t)
         self._kick(t)
 
