@@ -73,14 +73,15 @@ NB_MODULE(_ucx, m) {
       .def("deregister_region", &Engine::deregister_region)
       .def(
           "connect",
-          [](Engine& e, nb::bytes address, const std::vector<std::tuple<uint64_t, uint64_t, nb::bytes>>& regions) {
+          [](Engine& e, nb::bytes address, const std::vector<std::tuple<uint64_t, uint64_t, nb::bytes>>& regions,
+             bool peer_errors) {
             std::vector<std::tuple<uintptr_t, size_t, std::string>> rs;
             for (const auto& [base, len, key] : regions)
               rs.emplace_back(static_cast<uintptr_t>(base), static_cast<size_t>(len),
                               std::string(key.c_str(), key.size()));
-            return e.connect(std::string(address.c_str(), address.size()), rs);
+            return e.connect(std::string(address.c_str(), address.size()), rs, peer_errors);
           },
-          nb::arg("address"), nb::arg("regions"))
+          nb::arg("address"), nb::arg("regions"), nb::arg("peer_errors") = true)
       .def("disconnect", &Engine::disconnect)
       .def("endpoint_ok", &Engine::endpoint_ok)
       .def(

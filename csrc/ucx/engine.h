@@ -109,7 +109,8 @@ class Engine {
   void deregister_region(uint64_t id);
 
   uint64_t connect(const std::string& worker_address,
-                   const std::vector<std::tuple<uintptr_t, size_t, std::string>>& regions);
+                   const std::vector<std::tuple<uintptr_t, size_t, std::string>>& regions,
+                   bool peer_errors);
   void disconnect(uint64_t ep_id);
   bool endpoint_ok(uint64_t ep_id) const;
 

@@ -65,7 +65,8 @@ bool Engine::endpoint_ok(uint64_t ep_id) const {
 }
 
 uint64_t Engine::connect(const std::string& worker_address,
-                         const std::vector<std::tuple<uintptr_t, size_t, std::string>>& regions) {
+                         const std::vector<std::tuple<uintptr_t, size_t, std::string>>& regions,
+                         bool peer_errors) {
   check_open();
   auto ep = std::make_unique<Endpoint>();
   ep->engine = this;
@@ -74,7 +75,7 @@ uint64_t Engine::connect(const std::string& worker_address,
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
   p.address = reinterpret_cast<const ucp_address_t*>(worker_address.data());
-  p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  p.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   p.err_handler.cb = ep_error_cb;
   p.err_handler.arg = ep.get();
   ucs_status_t st = ucp_ep_create(worker_, &p, &ep->ep);

@@ -295,7 +295,9 @@ class UcxAgent:
         staging_slots: int = 4,
         timeout: float = 30.0,
         min_put_run_bytes: int = 2048,
+        error_mode: str = "peer",
         config: dict[str, str] | None = None,
+        packer: Any = None,
     ) -> None:
         mod = _load()
         if mod is None:
@@ -304,6 +306,10 @@ class UcxAgent:
         self.cache = cache
         self.timeout = float(timeout)
         self.min_put_run_bytes = int(min_put_run_bytes)
+        if error_mode not in ("peer", "none"):
+            raise InvalidArgument(f"error_mode must be 'peer' or 'none', not {error_mode!r}")
+        self.error_mode = error_mode
+        self._packer = packer
         self._tensors, self.num_pages = cache_tensors(layout, cache)
         self.geometry = CacheGeometry(layout, self.num_pages)
         cfg = {}
@@ -352,6 +358,7 @@ class UcxAgent:
         self._ops: dict[int, tuple[TransferHandle | None, asyncio.Future[None] | None]] = {}
         self._expects: dict[str, _Expect] = {}
         self._early: dict[str, list[tuple[UcxPeer, Message]]] = {}
+        self._aborted: dict[str, None] = {}  # recently failed expects: drop late parts
         self._hello: dict[bytes, asyncio.Future[Message]] = {}
         self._chunks: dict[tuple[bytes, str, int], asyncio.Queue[Message]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -497,7 +504,7 @@ class UcxAgent:
     def _make_peer(self, md: AgentMetadata, same: bool) -> UcxPeer:
         regions = [(r.base, r.length, r.rkey) for r in md.regions]
         try:
-            ep = self._engine.connect(md.address, regions)
+            ep = self._engine.connect(md.address, regions, self.error_mode == "peer")
         except Exception as e:
             raise _map_ucs(e, "UCX connect") from None
         peer = UcxPeer(self, md, ep, same)
@@ -574,13 +581,19 @@ class UcxAgent:
             h._finish()
             self._drop_expect(ex)
             return h
+        self._aborted.pop(rid, None)
         for p, msg in self._early.pop(rid, []):
             self._deliver(ex, p, msg)
         return h
 
     def _drop_expect(self, ex: _Expect) -> None:
-        if self._expects.get(ex.handle.request_id) is ex:
-            del self._expects[ex.handle.request_id]
+        rid = ex.handle.request_id
+        if self._expects.get(rid) is ex:
+            del self._expects[rid]
+        if ex.handle.exception() is not None:
+            self._aborted[rid] = None
+            if len(self._aborted) > 4096:
+                del self._aborted[next(iter(self._aborted))]
 
     def _deliver(self, ex: _Expect, peer: UcxPeer, m: Message) -> None:
         h = ex.handle
@@ -638,7 +651,10 @@ class UcxAgent:
             self._forget_peer(peer)
         elif m.kind in (Kind.DONE, Kind.STAGE_REQ):
             ex = self._expects.get(m.rid)
-            if ex is None:
+            if ex is None and m.rid in self._aborted:
+                if m.kind is Kind.STAGE_REQ:
+                    self._reject(peer, m.rid, f"request {m.rid!r} was aborted here")
+            elif ex is None:
                 early = self._early.setdefault(m.rid, [])
                 if len(self._early) > 65536 or len(early) > 4096:
                     self._early.pop(m.rid, None)
@@ -682,24 +698,30 @@ class UcxAgent:
             self._send_msg(peer, Message(Kind.ABORT, self.agent_id, h.request_id, code=code, text=str(exc)))
 
     # ---- staging path -----------------------------------------------------------------------
+    def _pack_module(self) -> Any:
+        """The pack/unpack implementation of the staging path: ``packer``
+        if given, else :mod:`kvbridge.pack` (None when neither exists)."""
+        if self._packer is None:
+            try:
+                from .. import pack as mod
+            except ImportError:
+                return None
+            self._packer = mod
+        return self._packer
+
     def _pack_available(self) -> bool:
-        try:
-            from .. import pack  # noqa: F401
-        except ImportError:
-            return False
-        return True
+        return self._pack_module() is not None
 
     def _require_pack(self) -> None:
         if not self._pack_available():
-            raise Unavailable("the staging path needs kvbridge.pack (the pack core)")
+            raise Unavailable("the staging path needs kvbridge.pack (the pack core), which is not built")
 
     def _paged_cache(self) -> Any:
-        from ..pack import PagedKVCache
-
-        if isinstance(self.cache, PagedKVCache):
+        mod = self._pack_module()
+        if isinstance(self.cache, mod.PagedKVCache):
             return self.cache
-        if not hasattr(self, "_pkv"):
-            self._pkv = PagedKVCache(self.layout, self._tensors)
+        if getattr(self, "_pkv", None) is None:
+            self._pkv = mod.PagedKVCache(self.layout, self._tensors)
         return self._pkv
 
     async def _slot(self) -> int:
@@ -713,8 +735,7 @@ class UcxAgent:
     async def _staged_send(
         self, peer: UcxPeer, h: TransferHandle, bt: Any, start: int, end: int, l0: int, l1: int
     ) -> None:
-        from ..pack import pack
-
+        pack = self._pack_module().pack
         assert self._staging is not None and peer._staging_index is not None
         part = id(h) & 0xFFFFFFFFFFFF
         key = (peer.metadata.agent_id, h.request_id, part)
@@ -766,8 +787,7 @@ class UcxAgent:
             self._release(slot)
 
     async def _staged_recv(self, ex: _Expect, peer: UcxPeer, req: Message) -> None:
-        from ..pack import unpack
-
+        unpack = self._pack_module().unpack
         assert self._staging is not None
         h = ex.handle
         key = (peer.metadata.agent_id, req.rid, req.part)
