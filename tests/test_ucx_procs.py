@@ -25,7 +25,7 @@ pytestmark = [
 # (UCX_TLS, error mode): TCP; TCP plus shared memory with peer error handling
 # (puts emulated over TCP, notifications too); TCP plus CMA without peer error
 # handling (puts by the kernel's process_vm_writev).
-TRANSPORTS = [("tcp", "peer"), ("tcp,sm", "peer"), ("tcp,cma", "none")]
+TRANSPORTS = [("tcp", "none"), ("tcp", "peer"), ("tcp,sm", "none"), ("tcp,sm", "peer")]
 LAY = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, page_tokens=16)
 
 
@@ -68,7 +68,7 @@ def procs() -> Iterator[list[Proc]]:
         p.stop()
 
 
-@pytest.mark.parametrize(("tls", "mode"), TRANSPORTS, ids=[t[0] for t in TRANSPORTS])
+@pytest.mark.parametrize(("tls", "mode"), TRANSPORTS, ids=[f"{t}-{m}" for t, m in TRANSPORTS])
 def test_two_processes_layerwise_put(procs: list[Proc], tls: str, mode: str) -> None:
     s = Proc(tls, mode, LAY, 64, seed=11)
     r = Proc(tls, mode, LAY, 80, seed=None)
@@ -110,10 +110,10 @@ def test_three_processes_put_and_staging(procs: list[Proc]) -> None:
     assert g1[-1] == d and g2[-1] == d
 
 
-@pytest.mark.parametrize("tls", ["tcp", "tcp,sm"])
-def test_sender_killed_mid_transfer(procs: list[Proc], tls: str) -> None:
-    s = Proc(tls, "peer", LAY, 64, seed=1)
-    r = Proc(tls, "peer", LAY, 64, seed=None)
+@pytest.mark.parametrize(("tls", "mode"), TRANSPORTS, ids=[f"{t}-{m}" for t, m in TRANSPORTS])
+def test_sender_killed_mid_transfer(procs: list[Proc], tls: str, mode: str) -> None:
+    s = Proc(tls, mode, LAY, 64, seed=1)
+    r = Proc(tls, mode, LAY, 64, seed=None)
     procs += [s, r]
     s.send("connect", r.md)
     s.recv(30)
@@ -126,13 +126,15 @@ def test_sender_killed_mid_transfer(procs: list[Proc], tls: str) -> None:
     s.p.kill()
     got = r.recv(25)
     assert got[:2] == ("error", "PeerGone"), got
-    assert got[3] - killed < 10.0  # well inside the 30 s deadline
+    assert got[3] - killed < 6.0  # inside the 30 s deadline (heartbeat: 3 s at worst)
+    print(f"sender death seen after {got[3] - killed:.2f} s: {got[2]}")
 
 
-def test_receiver_killed_mid_transfer(procs: list[Proc]) -> None:
+@pytest.mark.parametrize(("tls", "mode"), TRANSPORTS, ids=[f"{t}-{m}" for t, m in TRANSPORTS])
+def test_receiver_killed_mid_transfer(procs: list[Proc], tls: str, mode: str) -> None:
     big = LAY.replace(num_kv_heads=8, head_dim=128)
-    s = Proc("tcp", "peer", big, 512, seed=2)
-    r = Proc("tcp", "peer", big, 512, seed=None)
+    s = Proc(tls, mode, big, 512, seed=2)
+    r = Proc(tls, mode, big, 512, seed=None)
     procs += [s, r]
     s.send("connect", r.md)
     s.recv(30)
@@ -144,4 +146,5 @@ def test_receiver_killed_mid_transfer(procs: list[Proc]) -> None:
     r.p.kill()
     got = s.recv(25)
     assert got[:2] == ("error", "PeerGone"), got
-    assert got[3] - killed < 10.0
+    assert got[3] - killed < 6.0
+    print(f"receiver death seen after {got[3] - killed:.2f} s: {got[2]}")

@@ -39,7 +39,9 @@ async def _serve(conn: Any, layout: KVLayout, pages: int, seed: int | None, erro
 
     loop = asyncio.get_running_loop()
     cache = make_cache(layout, pages, seed)
-    agent = UcxAgent(layout, cache, error_mode=error_mode, packer=_packer(), timeout=30.0)
+    agent = UcxAgent(
+        layout, cache, error_mode=error_mode, packer=_packer(), timeout=30.0, heartbeat=0.5, peer_timeout=3.0
+    )
     conn.send(("md", agent.metadata()))
     peers: list[Any] = []
 

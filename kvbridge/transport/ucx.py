@@ -150,6 +150,7 @@ class UcxPeer:
         self.same_layout = same_layout
         self.name = md.agent_id.hex()
         self.error: KVBridgeError | None = None
+        self.last_heard = time.monotonic()
         self.geometry = CacheGeometry(md.layout, md.num_pages)
         regions = list(md.regions)
         self._cache_region_ids = np.array(
@@ -295,7 +296,9 @@ class UcxAgent:
         staging_slots: int = 4,
         timeout: float = 30.0,
         min_put_run_bytes: int = 2048,
-        error_mode: str = "peer",
+        error_mode: str = "none",
+        heartbeat: float = 1.0,
+        peer_timeout: float = 10.0,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
@@ -309,6 +312,11 @@ class UcxAgent:
         if error_mode not in ("peer", "none"):
             raise InvalidArgument(f"error_mode must be 'peer' or 'none', not {error_mode!r}")
         self.error_mode = error_mode
+        if heartbeat <= 0 or peer_timeout <= heartbeat:
+            raise InvalidArgument("need 0 < heartbeat < peer_timeout")
+        self.heartbeat = float(heartbeat)
+        self.peer_timeout = float(peer_timeout)
+        self._hb_timer: asyncio.TimerHandle | None = None
         self._packer = packer
         self._tensors, self.num_pages = cache_tensors(layout, cache)
         self.geometry = CacheGeometry(layout, self.num_pages)
@@ -401,9 +409,24 @@ class UcxAgent:
             for off in self._slot_offsets:
                 self._slots.put_nowait(off)
             self._progress = WorkerProgress(self._engine, loop, self._on_events, self._busy)
+            self._hb_timer = loop.call_later(self.heartbeat, self._beat)
         elif loop is not self._loop:
             raise InvalidArgument("a UcxAgent is bound to the asyncio loop that first used it")
         return loop
+
+    def _beat(self) -> None:
+        """Ping every peer; declare gone those not heard from in peer_timeout."""
+        if self._closed or self._loop is None:
+            return
+        now = time.monotonic()
+        for p in self.peers:
+            if p.error is not None:
+                continue
+            if now - p.last_heard > self.peer_timeout:
+                p._fail_all(PeerGone(f"peer {p.name[:8]} silent for {self.peer_timeout} s"))
+            else:
+                self._send_msg(p, Message(Kind.PING, self.agent_id))
+        self._hb_timer = self._loop.call_later(self.heartbeat, self._beat)
 
     def _busy(self) -> bool:
         return bool(self._ops) or bool(self._tasks)
@@ -646,6 +669,9 @@ class UcxAgent:
         peer = self._peers.get(m.sender)
         if peer is None:
             return  # not (or no longer) connected
+        peer.last_heard = time.monotonic()
+        if m.kind is Kind.PING:
+            return
         if m.kind is Kind.BYE:
             peer._fail_all(PeerGone(f"peer {peer.name[:8]} closed"))
             self._forget_peer(peer)
@@ -849,6 +875,8 @@ class UcxAgent:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._closed = True
+        if self._hb_timer is not None:
+            self._hb_timer.cancel()
         if self._progress is not None:
             self._progress.close()
         for _, fut in self._ops.values():

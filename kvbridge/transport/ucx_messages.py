@@ -37,6 +37,7 @@ class Kind(enum.IntEnum):
     STAGE_CHUNK = 7  # rid, part, offset (wire), length, slot, last
     ABORT = 8  # rid, code, text
     BYE = 9
+    PING = 10  # liveness: sent every heartbeat interval
 
 
 @dataclass(frozen=True)
