@@ -188,6 +188,7 @@ void Engine::close() {
   regions_.clear();
   ucp_worker_destroy(worker_);
   worker_ = nullptr;
+  closed_eps_.clear();
   ucp_cleanup(context_);
   context_ = nullptr;
   efd_ = -1;

@@ -51,6 +51,7 @@ struct Endpoint {
   ucp_ep_h ep = nullptr;
   std::vector<RemoteRegion> remote;
   ucs_status_t error = UCS_OK;  // set by the error callback
+  bool peer_errors = true;      // UCP_ERR_HANDLING_MODE_PEER
   bool closing = false;
 };
 
@@ -142,6 +143,9 @@ class Engine {
   uint64_t next_id_ = 1;
   std::map<uint64_t, Region> regions_;
   std::map<uint64_t, std::unique_ptr<Endpoint>> eps_;
+  // Closed endpoints stay allocated until the worker is destroyed: UCP may
+  // still report an error on them, and the callback argument must stay valid.
+  std::vector<std::unique_ptr<Endpoint>> closed_eps_;
   std::map<uint64_t, Op> ops_;
   std::vector<uint64_t> deferred_notify_;
   std::vector<OpResult> results_;

@@ -78,6 +78,7 @@ uint64_t Engine::connect(const std::string& worker_address,
   p.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   p.err_handler.cb = ep_error_cb;
   p.err_handler.arg = ep.get();
+  ep->peer_errors = peer_errors;
   ucs_status_t st = ucp_ep_create(worker_, &p, &ep->ep);
   if (st != UCS_OK) throw UcsError(st, "ucp_ep_create");
   for (const auto& [base, length, packed] : regions) {
@@ -89,7 +90,7 @@ uint64_t Engine::connect(const std::string& worker_address,
       for (auto& r : ep->remote) ucp_rkey_destroy(r.rkey);
       ucp_request_param_t cp{};
       cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      cp.flags = peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
       ucs_status_ptr_t sp = ucp_ep_close_nbx(ep->ep, &cp);
       while (sp != nullptr && !UCS_PTR_IS_ERR(sp) && ucp_request_check_status(sp) == UCS_INPROGRESS)
         ucp_worker_progress(worker_);
@@ -110,9 +111,11 @@ void Engine::disconnect(uint64_t ep_id) {
   ep.closing = true;
   for (auto& r : ep.remote) ucp_rkey_destroy(r.rkey);
   ep.remote.clear();
+  // A forced close is only defined when both sides use peer error handling
+  // (it may break the remote side otherwise), or when the peer is gone.
   ucp_request_param_t cp{};
   cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  cp.flags = (ep.peer_errors || ep.error != UCS_OK) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t sp = ucp_ep_close_nbx(ep.ep, &cp);
   if (sp != nullptr && !UCS_PTR_IS_ERR(sp)) {
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
@@ -121,11 +124,12 @@ void Engine::disconnect(uint64_t ep_id) {
       ucp_worker_progress(worker_);
     ucp_request_free(sp);
   }
+  closed_eps_.push_back(std::move(it->second));
   eps_.erase(it);
 }
 
 void Engine::on_ep_error(Endpoint* ep, ucs_status_t status) {
-  if (ep->error != UCS_OK) return;
+  if (ep->error != UCS_OK || ep->closing) return;
   ep->error = status;
   failures_.push_back({ep->id, static_cast<int>(status)});
 }
