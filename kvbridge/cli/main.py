@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "radix": "WAN bytes saved by the decode-side radix cache on an agent trace",
     "demo": "the full cross-datacenter PDD demo (what `make demo` runs)",
     "handoff": "100-token handoff: token IDs vs incremental KV over an emulated WAN",
+    "compare": "kvbridge UCX vs NIXL vs Mooncake vs raw ucxx on the same KV pages",
 }
 
 

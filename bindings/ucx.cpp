@@ -1,0 +1,110 @@
+// kvbridge._ucx: the UCX engine (csrc/ucx) for Python.  Built only where the
+// UCP headers and libraries are found; kvbridge.transport.ucx reports UCX as
+// unavailable, with the reason, where this module is absent.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "ucx/engine.h"
+
+namespace nb = nanobind;
+using kvb::ucx::Engine;
+using kvb::ucx::PutRun;
+using kvb::ucx::UcsError;
+
+using Runs = nb::ndarray<const uint64_t, nb::shape<-1, 5>, nb::c_contig, nb::device::cpu>;
+
+static_assert(sizeof(PutRun) == 5 * sizeof(uint64_t), "PutRun must be five packed uint64");
+
+NB_MODULE(_ucx, m) {
+  m.doc() = "kvbridge UCX engine: registered regions, one-sided puts, active messages";
+  m.attr("HAS_UCX") = true;
+
+  static PyObject* ucs_error =
+      PyErr_NewException("kvbridge._ucx.UcsError", PyExc_RuntimeError, nullptr);
+  m.attr("UcsError") = nb::borrow(ucs_error);
+  nb::register_exception_translator(
+      [](const std::exception_ptr& p, void* payload) {
+        try {
+          std::rethrow_exception(p);
+        } catch (const UcsError& e) {
+          nb::object args = nb::make_tuple(static_cast<int>(e.status()), nb::str(e.what()));
+          PyErr_SetObject(static_cast<PyObject*>(payload), args.ptr());
+        }
+      },
+      ucs_error);
+
+  m.def("version", []() { return std::string(ucp_get_version_string()); });
+  m.def("status_string", [](int status) {
+    return std::string(ucs_status_string(static_cast<ucs_status_t>(status)));
+  });
+  nb::dict status;
+  status["OK"] = static_cast<int>(UCS_OK);
+  status["ERR_CANCELED"] = static_cast<int>(UCS_ERR_CANCELED);
+  status["ERR_INVALID_PARAM"] = static_cast<int>(UCS_ERR_INVALID_PARAM);
+  status["ERR_UNREACHABLE"] = static_cast<int>(UCS_ERR_UNREACHABLE);
+  status["ERR_NOT_CONNECTED"] = static_cast<int>(UCS_ERR_NOT_CONNECTED);
+  status["ERR_CONNECTION_RESET"] = static_cast<int>(UCS_ERR_CONNECTION_RESET);
+  status["ERR_ENDPOINT_TIMEOUT"] = static_cast<int>(UCS_ERR_ENDPOINT_TIMEOUT);
+  status["ERR_TIMED_OUT"] = static_cast<int>(UCS_ERR_TIMED_OUT);
+  status["ERR_IO_ERROR"] = static_cast<int>(UCS_ERR_IO_ERROR);
+  status["ERR_REJECTED"] = static_cast<int>(UCS_ERR_REJECTED);
+  status["ERR_NO_RESOURCE"] = static_cast<int>(UCS_ERR_NO_RESOURCE);
+  status["ERR_UNSUPPORTED"] = static_cast<int>(UCS_ERR_UNSUPPORTED);
+  status["ERR_NO_MEMORY"] = static_cast<int>(UCS_ERR_NO_MEMORY);
+  m.attr("STATUS") = status;
+  m.attr("MAX_MESSAGE") = Engine::kMaxMessage;
+
+  nb::class_<Engine>(m, "Engine")
+      .def(nb::init<const std::vector<std::pair<std::string, std::string>>&>(), nb::arg("config"))
+      .def("address", [](const Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
+      .def("event_fd", &Engine::event_fd)
+      .def("progress", &Engine::progress, nb::call_guard<nb::gil_scoped_release>())
+      .def("arm", &Engine::arm)
+      .def("register_region", &Engine::register_region, nb::arg("base"), nb::arg("length"))
+      .def("rkey",
+           [](const Engine& e, uint64_t id) {
+             const std::string& k = e.region(id).rkey;
+             return nb::bytes(k.data(), k.size());
+           })
+      .def("deregister_region", &Engine::deregister_region)
+      .def(
+          "connect",
+          [](Engine& e, nb::bytes address, const std::vector<std::tuple<uint64_t, uint64_t, nb::bytes>>& regions,
+             bool peer_errors) {
+            std::vector<std::tuple<uintptr_t, size_t, std::string>> rs;
+            for (const auto& [base, len, key] : regions)
+              rs.emplace_back(static_cast<uintptr_t>(base), static_cast<size_t>(len),
+                              std::string(key.c_str(), key.size()));
+            return e.connect(std::string(address.c_str(), address.size()), rs, peer_errors);
+          },
+          nb::arg("address"), nb::arg("regions"), nb::arg("peer_errors") = true)
+      .def("disconnect", &Engine::disconnect)
+      .def("endpoint_ok", &Engine::endpoint_ok)
+      .def(
+          "put",
+          [](Engine& e, uint64_t ep, Runs runs, nb::bytes notify) {
+            return e.put(ep, reinterpret_cast<const PutRun*>(runs.data()), runs.shape(0),
+                         std::string(notify.c_str(), notify.size()));
+          },
+          nb::arg("ep"), nb::arg("runs"), nb::arg("notify"))
+      .def(
+          "send",
+          [](Engine& e, uint64_t ep, nb::bytes msg) {
+            return e.send(ep, std::string(msg.c_str(), msg.size()));
+          },
+          nb::arg("ep"), nb::arg("message"))
+      .def("drain",
+           [](Engine& e) {
+             nb::list results, failures, messages;
+             for (const auto& r : e.take_results()) results.append(nb::make_tuple(r.op_id, r.status));
+             for (const auto& f : e.take_failures()) failures.append(nb::make_tuple(f.ep_id, f.status));
+             for (const auto& s : e.take_messages()) messages.append(nb::bytes(s.data(), s.size()));
+             return nb::make_tuple(results, failures, messages);
+           })
+      .def("close", &Engine::close)
+      .def_prop_ro("closed", &Engine::closed);
+}

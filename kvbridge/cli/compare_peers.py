@@ -1,0 +1,267 @@
+"""Process bodies of ``kvbridge-bench compare``: one receiver and one sender
+per library, started with multiprocessing spawn.  Every library moves the same
+pieces (one per page, layer and K/V component) between the same two buffers;
+kvbridge is given the block tables instead and coalesces them itself."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    layout: KVLayout  # stacked: one region per side
+    num_pages: int
+    src_bt: np.ndarray
+    dst_bt: np.ndarray
+    start: int
+    end: int
+
+    @property
+    def region_bytes(self) -> int:
+        return self.layout.layer_numel(self.num_pages) * self.layout.itemsize * self.layout.num_layers
+
+    def pieces(self, bt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from ..transport.ucx_runs import CacheGeometry, page_pieces
+
+        _, off, length = page_pieces(CacheGeometry(self.layout, self.num_pages), bt, self.start, self.end)
+        return off, length
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.wire_nbytes(self.end - self.start)
+
+
+def _buffer(scen: Scenario, fill: bool) -> np.ndarray:
+    buf = np.zeros(scen.region_bytes, dtype=np.uint8)
+    if fill:
+        words = buf.view(np.uint64)
+        words[:] = np.arange(words.size, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return buf
+
+
+def _digest(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    mv = memoryview(buf)
+    for o, n in zip(off.tolist(), length.tolist()):
+        h.update(mv[o : o + n])
+    return h.hexdigest()
+
+
+def receiver_main(conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int) -> None:
+    os.environ.update(env)
+    try:
+        _RECEIVERS[lib](conn, scen, iters)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def sender_main(conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int, info: Any) -> None:
+    os.environ.update(env)
+    try:
+        buf = _buffer(scen, fill=True)
+        times = _SENDERS[lib](buf, scen, iters, info)
+        off, length = scen.pieces(scen.src_bt)
+        conn.send(("times", times, _digest(buf, off, length)))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _finish_receiver(conn: Any, buf: np.ndarray, scen: Scenario) -> None:
+    msg = conn.recv()
+    assert msg[0] == "digest"
+    off, length = scen.pieces(scen.dst_bt)
+    conn.send(("digest", _digest(buf, off, length)))
+
+
+# ---- kvbridge ------------------------------------------------------------------------
+def _kvb_cache(buf: np.ndarray, scen: Scenario) -> np.ndarray:
+    lay = scen.layout
+    dt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[lay.itemsize]
+    return buf.view(dt).reshape(lay.cache_shape(scen.num_pages))
+
+
+def _kvb_error_mode() -> str:
+    return os.environ.get("KVB_BENCH_ERROR_MODE", "none")
+
+
+def _kvb_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+    from ..transport.ucx import UcxAgent
+
+    async def main() -> None:
+        buf = _buffer(scen, fill=False)
+        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, error_mode=_kvb_error_mode(), timeout=300)
+        handles = [agent.expect(f"it{i}", scen.dst_bt, scen.start, scen.end) for i in range(iters + 1)]
+        conn.send(("ready", agent.metadata()))
+        for h in handles:
+            await h
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, _finish_receiver, conn, buf, scen)
+        await agent.close()
+
+    asyncio.run(main())
+
+
+def _kvb_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+    from ..transport.ucx import UcxAgent
+
+    async def main() -> list[float]:
+        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, error_mode=_kvb_error_mode(), timeout=300)
+        peer = await agent.connect(info)
+        times = []
+        for i in range(iters + 1):
+            t = time.perf_counter()
+            await peer.send(f"it{i}", scen.src_bt, scen.dst_bt, scen.start, scen.end)
+            times.append(time.perf_counter() - t)
+        await agent.close()
+        return times
+
+    return asyncio.run(main())
+
+
+# ---- raw ucxx: one contiguous buffer of the same size -------------------------------
+def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+    import ucxx
+
+    async def main() -> None:
+        buf = np.zeros(scen.nbytes, dtype=np.uint8)
+        done = asyncio.Event()
+        async def serve(ep: Any) -> None:
+            for _ in range(iters + 1):
+                await ep.recv(buf)
+            await ep.close()
+            done.set()
+
+        listener = ucxx.create_listener(serve)
+        conn.send(("ready", listener.port))
+        await done.wait()
+        listener.close()
+        msg = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        assert msg[0] == "digest"
+        conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
+
+    asyncio.run(main())
+
+
+def _ucxx_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+    import ucxx
+
+    async def main() -> list[float]:
+        ep = await ucxx.create_endpoint("127.0.0.1", info)
+        off, length = scen.pieces(scen.src_bt)
+        flat = np.concatenate([buf[o : o + n] for o, n in zip(off.tolist(), length.tolist())])
+        times = []
+        for _ in range(iters + 1):
+            t = time.perf_counter()
+            await ep.send(flat)
+            times.append(time.perf_counter() - t)
+        await ep.close()
+        return times
+
+    return asyncio.run(main())
+
+
+# ---- NIXL (UCX backend, DRAM descriptors) ----------------------------------------------
+def _nixl_agent(name: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    params = {}
+    if os.environ.get("KVB_BENCH_SETTING") == "shm":
+        params["ucx_error_handling_mode"] = "none"
+    agent.create_backend("UCX", params)
+    return agent
+
+
+def _nixl_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+    buf = _buffer(scen, fill=False)
+    agent = _nixl_agent("kvb-target")
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    conn.send(("ready", (agent.get_agent_metadata(), buf.ctypes.data)))
+    _finish_receiver(conn, buf, scen)
+
+
+def _nixl_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+    md, dst_base = info
+    agent = _nixl_agent("kvb-initiator")
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    remote = agent.add_remote_agent(md)
+    soff, length = scen.pieces(scen.src_bt)
+    doff, _ = scen.pieces(scen.dst_bt)
+    zeros = np.zeros_like(length)
+    local = agent.get_xfer_descs(np.stack([soff + buf.ctypes.data, length, zeros], 1), "DRAM")
+    rem = agent.get_xfer_descs(np.stack([doff + dst_base, length, zeros], 1), "DRAM")
+    handle = agent.initialize_xfer("WRITE", local, rem, remote, b"kvb")
+    times = []
+    deadline = time.monotonic() + 600
+    for _ in range(iters + 1):
+        t = time.perf_counter()
+        state = agent.transfer(handle)
+        while state == "PROC" and time.monotonic() < deadline:
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer state {state}")
+        times.append(time.perf_counter() - t)
+    agent.release_xfer_handle(handle)
+    return times
+
+
+# ---- Mooncake transfer engine (TCP) ---------------------------------------------------------
+def _mooncake_engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+    return te
+
+
+def _mooncake_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+    buf = _buffer(scen, fill=False)
+    te = _mooncake_engine()
+    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed")
+    conn.send(("ready", (f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data)))
+    _finish_receiver(conn, buf, scen)
+
+
+MOONCAKE_BATCH = 1024  # its TCP transport's default queue bound per peer
+
+
+def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+    target, dst_base = info
+    soff, length = scen.pieces(scen.src_bt)
+    doff, _ = scen.pieces(scen.dst_bt)
+    # One batch per request: raise the per-peer queue bound above its size.
+    os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(max(4096, 2 * length.size)))
+    te = _mooncake_engine()
+    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise RuntimeError("Mooncake register_memory failed")
+    src = (soff + buf.ctypes.data).tolist()
+    dst = (doff + dst_base).tolist()
+    lens = length.tolist()
+    times = []
+    for _ in range(iters + 1):
+        t = time.perf_counter()
+        if te.batch_transfer_sync_write(target, src, dst, lens) != 0:
+            for i in range(0, len(lens), MOONCAKE_BATCH):  # split as its TCP default demands
+                j = i + MOONCAKE_BATCH
+                if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
+                    raise RuntimeError("Mooncake batch_transfer_sync_write failed")
+        times.append(time.perf_counter() - t)
+    return times
+
+
+_RECEIVERS = {"kvbridge": _kvb_receiver, "ucxx": _ucxx_receiver, "nixl": _nixl_receiver, "mooncake": _mooncake_receiver}
+_SENDERS = {"kvbridge": _kvb_sender, "ucxx": _ucxx_sender, "nixl": _nixl_sender, "mooncake": _mooncake_sender}

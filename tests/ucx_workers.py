@@ -1,0 +1,91 @@
+"""Processes of the multi-process UCX tests (started with multiprocessing
+spawn).  Each runs one UcxAgent and obeys commands from a pipe."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+from typing import Any
+
+from ucx_cases import make_cache
+
+import ucx_refpack as ref
+from kvbridge.layout import KVLayout
+
+
+def _packer() -> Any:
+    try:
+        from kvbridge import pack
+
+        return pack
+    except ImportError:
+        return ref
+
+
+def digest(layout: KVLayout, cache: Any, bt: Any, start: int, end: int, layers: Any) -> str:
+    w = ref.wire(ref.PagedKVCache(layout, cache), bt, start, end, layers)
+    return hashlib.blake2b(w.tobytes(), digest_size=16).hexdigest()
+
+
+def agent_main(conn: Any, env: dict[str, str], layout: KVLayout, pages: int, seed: int | None, error_mode: str) -> None:
+    os.environ.update(env)
+    asyncio.run(_serve(conn, layout, pages, seed, error_mode))
+
+
+async def _serve(conn: Any, layout: KVLayout, pages: int, seed: int | None, error_mode: str) -> None:
+    from kvbridge.transport.ucx import UcxAgent
+
+    loop = asyncio.get_running_loop()
+    cache = make_cache(layout, pages, seed)
+    agent = UcxAgent(
+        layout, cache, error_mode=error_mode, packer=_packer(), timeout=30.0, heartbeat=0.5, peer_timeout=3.0
+    )
+    conn.send(("md", agent.metadata()))
+    peers: list[Any] = []
+
+    async def outcome(aw: Any, extra: tuple[Any, ...]) -> tuple[Any, ...]:
+        try:
+            st = await aw
+            return ("ok", st.path, st.bytes, st.runs, *extra)
+        except Exception as e:
+            return ("error", type(e).__name__, str(e), time.time())
+
+    while True:
+        cmd = await loop.run_in_executor(None, conn.recv)
+        op = cmd[0]
+        if op == "quit":
+            break
+        if op == "connect":
+            peers.append(await agent.connect(cmd[1]))
+            conn.send(("ok", peers[-1].same_layout))
+        elif op == "expect":
+            _, rid, bt, start, end, layers, timeout = cmd
+            h = agent.expect(rid, bt, start, end, timeout=timeout)
+            res = await outcome(h, ())
+            if res[0] == "ok":
+                res = (*res, digest(layout, cache, bt, start, end, layers))
+            conn.send(res)
+        elif op == "send":
+            # ("send", [(peer index, rid, bt, remote bt, start, end, [layer ranges])...])
+            jobs = []
+            for idx, rid, bt, rbt, start, end, parts in cmd[1]:
+                for layers in parts:
+                    jobs.append(outcome(peers[idx].send(rid, bt, rbt, start, end, layers), (idx,)))
+            results = await asyncio.gather(*jobs)
+            conn.send(("sent", results))
+        elif op == "send_forever":
+            _, rid, bt, rbt, start, end = cmd
+            conn.send(("started",))
+            i = 0
+            while True:
+                i += 1
+                res = await outcome(peers[0].send(f"{rid}{i}", bt, rbt, start, end), ())
+                if res[0] != "ok":
+                    conn.send(res)
+                    break
+        elif op == "digest":
+            _, bt, start, end, layers = cmd
+            conn.send(("digest", digest(layout, cache, bt, start, end, layers)))
+    await agent.close()
