@@ -13,6 +13,7 @@ import sys
 # name -> one-line help.  Modules are imported only when their command runs.
 COMMANDS: dict[str, str] = {
     "pack": "pack/unpack bandwidth for real KV layouts vs memcpy and torch",
+    "transfer": "TCP transfer goodput vs raw sockets; small-transfer latency behind a large one",
 }
 
 

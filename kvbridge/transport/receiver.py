@@ -52,6 +52,7 @@ from ..wire.frames import (
 )
 from ..wire.grid import ChunkGrid
 from ..wire.handshake import PeerInfo, ServerHandshake
+from .bufpool import BufferPool
 from .conn import FrameConnection, serve_handshake
 from .kvio import Sink
 
@@ -205,6 +206,7 @@ class TcpReceiver:
         self._handshakes: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._control: dict[int, ControlHandler] = {}
+        self._bufpool = BufferPool()
         self.stats: dict[str, int] = {"handshake_failures": 0, "unknown_tokens": 0}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -295,6 +297,7 @@ class TcpReceiver:
 
     # ---- connections ---------------------------------------------------------------------
     def _on_made(self, conn: FrameConnection) -> None:
+        conn.decoder.allocate = self._bufpool.get
         task = asyncio.get_running_loop().create_task(self._handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
@@ -481,6 +484,8 @@ class TcpReceiver:
             return
         finally:
             self._refund(peer, size)
+            if isinstance(m.data, memoryview):
+                self._bufpool.put(m.data.obj)
         waiters = t.writing.pop(idx, {})
         if t.finished:
             return

@@ -671,6 +671,10 @@ def _clamp(d: CompressionDecision, caps: int) -> CompressionDecision:
 
 
 def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:
-    raw = bytearray(n)
-    source.read_into(off, memoryview(raw))
+    view = getattr(source, "view", None)
+    if view is not None:
+        raw: Any = view(off, n)  # bytes already in wire form: no copy
+    else:
+        raw = bytearray(n)
+        source.read_into(off, memoryview(raw))
     return encode_chunk(raw, codec, shuffle)
