@@ -10,6 +10,7 @@ while a large transfer runs, with and without the scheduler.
 from __future__ import annotations
 
 import argparse
+import importlib
 import contextlib
 import json
 import sys
@@ -54,7 +55,7 @@ def _emulated(spec: str | None, host: str, port: int, raw_port: int) -> Any:
     if spec is None:
         return contextlib.nullcontext((host, {port: port, raw_port: raw_port}))
     try:
-        from ..transport import emulator
+        emulator = importlib.import_module("kvbridge.transport.emulator")
     except ImportError:
         raise Unavailable("--emulator needs kvbridge.transport.emulator") from None
     hook = getattr(emulator, "bench_endpoint", None)

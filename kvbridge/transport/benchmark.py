@@ -86,7 +86,7 @@ class BenchServer:
         self.rx = rx
         self._buf = bytearray()
         self._raw: dict[int, bytearray] = {}
-        self.raw_server: asyncio.AbstractServer | None = None
+        self.raw_server: asyncio.Server | None = None
         rx.on_control(EXPECT_REQ, self._on_expect)
 
     def _sink_buf(self, n: int) -> bytearray:
@@ -185,7 +185,9 @@ async def measure_goodput(
     """Median goodput of kvbridge and of raw sockets moving the same bytes,
     interleaved run by run."""
     data = memoryview(os.urandom(nbytes))
-    tx = TcpSender(host, port, streams=streams, chunk_size=chunk_size, compression=compression, **tx_kwargs)
+    tx = TcpSender(
+        host, port, streams=streams, chunk_size=chunk_size, compression=compression, **tx_kwargs
+    )
     await tx.connect()
     broker = _TokenBroker(tx)
     raw_conns: list[Any] = []
@@ -266,7 +268,10 @@ async def measure_latency(
     finally:
         await tx.close()
     lat.sort()
-    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3) if lat else (lambda q: float("nan"))
+
+    def pct(q: float) -> float:
+        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")
+
     return {
         "scheduler": scheduler,
         "big_bytes": big_bytes,

@@ -13,6 +13,7 @@ whole transfer ever exists.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -122,8 +123,7 @@ class _KVBase:
         end: int,
         layers: tuple[int, int] | None,
     ) -> None:
-        from .. import pack as _pack
-
+        _pack: Any = importlib.import_module("kvbridge.pack")
         self._pack = _pack
         layout = cache.layout
         l0, l1 = layout.layer_range(layers)
@@ -180,7 +180,13 @@ class KVSink(_KVBase):
             stage.numpy()[:] = src
             src = stage
         self._pack.unpack(
-            self.cache, self.block_table, self.start, self.end, src, layers=self.layers, offset=offset
+            self.cache,
+            self.block_table,
+            self.start,
+            self.end,
+            src,
+            layers=self.layers,
+            offset=offset,
         )
         if cuda:
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
