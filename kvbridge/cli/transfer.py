@@ -10,8 +10,8 @@ while a large transfer runs, with and without the scheduler.
 from __future__ import annotations
 
 import argparse
-import importlib
 import contextlib
+import importlib
 import json
 import sys
 from collections.abc import Iterator
