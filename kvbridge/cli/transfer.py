@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--big-mib", type=int, default=2048, help="latency: the large transfer")
     p.add_argument("--small-kib", type=int, default=1024, help="latency: the small transfers")
     p.add_argument("--count", type=int, default=50, help="latency: small transfers per policy")
-    p.add_argument("--skip", choices=["goodput", "latency"], action="append", default=[])
+    p.add_argument(
+        "--skip", choices=["goodput", "latency", "compression"], action="append", default=[]
+    )
     p.add_argument("--psk-hex", help="pre-shared key (hex), both ends")
     p.add_argument(
         "--emulator",
@@ -94,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         proc, info = bm.spawn_server(extra)
     show = not (args.json or args.no_progress)
     results: dict[str, Any] = {}
+    if "compression" not in args.skip:
+        results["compression"] = bm.compression_report(bm.synthetic_kv(4 << 20))
     try:
         with _emulated(args.emulator, info["host"], info["port"], info["raw_port"]) as (h, ports):
             port, raw_port = ports[info["port"]], ports[info["raw_port"]]
@@ -135,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(results: dict[str, Any]) -> None:
+    c = results.get("compression")
+    if c:
+        for d in c["decisions"]:
+            print(
+                f"compress synthetic fp16 KV, {d['link_gbit']:g} Gbit/s link: zstd-1 ratio "
+                f"{d['ratio_zstd']:.3f}, lz4 {d['ratio_lz4']:.3f} (after shuffle); "
+                f"-> {d['codec']} ({d['reason']})"
+            )
     g = results.get("goodput")
     if g:
         print(

@@ -294,3 +294,36 @@ def spawn_server(extra: list[str] | None = None) -> tuple[subprocess.Popen[str],
         proc.wait(10)
         raise RuntimeError("bench server did not start")
     return proc, json.loads(line)
+
+
+def synthetic_kv(nbytes: int, head_dim: int = 128, seed: int = 0) -> bytes:
+    """fp16 KV-like bytes: normal values with a log-normal scale per channel
+    (KV caches have outlier channels).  Synthetic: say so when reporting."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = nbytes // 2
+    scale = rng.lognormal(0.0, 1.0, head_dim).astype(np.float32)
+    rows = -(-n // head_dim)
+    vals = rng.standard_normal((rows, head_dim), dtype=np.float32) * scale
+    return vals.astype(np.float16).tobytes()[: n * 2]
+
+
+def compression_report(
+    data: bytes | memoryview,
+    itemsize: int = 2,
+    link_gbits: tuple[float, ...] = (1.0, 10.0, 40.0, 100.0),
+    spare_cores: int | None = None,
+) -> dict[str, Any]:
+    """Shuffle + lz4 / zstd-1 ratios of one 4 MiB sample and the adaptive
+    decision at several link rates."""
+    from .compress import CompressionPolicy
+
+    sample = memoryview(data)[: 4 << 20]
+    out: dict[str, Any] = {"sample_bytes": len(sample), "decisions": []}
+    for g in link_gbits:
+        pol = CompressionPolicy("auto", link_Bps=g * 1e9 / 8, spare_cores=spare_cores)
+        pol.best_compress_Bps = float("inf")  # always run the trial, to report the ratios
+        d = pol.decide(sample, itemsize, 1 << 30)
+        out["decisions"].append({"link_gbit": g, **d.as_dict()})
+    return out
