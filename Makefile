@@ -72,5 +72,10 @@ cuda-check:
 	  -DKVBRIDGE_BUILD_PYTHON=OFF "-DCMAKE_CUDA_ARCHITECTURES=$(KVBRIDGE_CUDA_ARCHS)"
 	cmake --build build/cuda-check
 
+# Fuzz the wire codec with atheris (FUZZ_SECONDS, default 60).
+fuzz: $(STAMP)
+	$(PYTHON) -c "import atheris" 2>/dev/null || $(BIN)/pip install -q atheris
+	$(PYTHON) tests/fuzz/fuzz_codec.py -max_total_time=$${FUZZ_SECONDS:-60}
+
 clean:
 	rm -rf build $(VENV) *.egg-info

@@ -160,7 +160,9 @@ def test_sender_fails_with_peer_gone_when_receiver_disappears() -> None:
 
 
 # ---- hostile bytes on a real socket -----------------------------------------------------
-async def raw_client(port: int, handshake: bool = True) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def raw_client(
+    port: int, handshake: bool = True
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     r, w = await asyncio.open_connection("127.0.0.1", port)
     if handshake:
         hs = ClientHandshake("raw", 0)

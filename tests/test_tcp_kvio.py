@@ -19,7 +19,9 @@ DST = SRC.replace(page_tokens=64, order="page_first", head_order="HND")
 
 @pytest.mark.parametrize("layers", [None, (1, 3)])
 @pytest.mark.parametrize("compression", ["off", "zstd"])
-def test_kv_pages_round_trip_between_layouts(layers: tuple[int, int] | None, compression: str) -> None:
+def test_kv_pages_round_trip_between_layouts(
+    layers: tuple[int, int] | None, compression: str
+) -> None:
     start, end = 5, 700
     src = pack.PagedKVCache.allocate(SRC, 60, fill="random", seed=3)
     dst = pack.PagedKVCache.allocate(DST, 20)

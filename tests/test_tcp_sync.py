@@ -17,7 +17,10 @@ from kvbridge.transport.tcp import TcpReceiver, TcpSender
 
 def test_sync_round_trip_and_cancel() -> None:
     data = os.urandom(2_000_000)
-    with SyncReceiver() as rx, SyncSender("127.0.0.1", rx.port, streams=2, chunk_size=1 << 18) as tx:
+    with (
+        SyncReceiver() as rx,
+        SyncSender("127.0.0.1", rx.port, streams=2, chunk_size=1 << 18) as tx,
+    ):
         sink = BytesSink(len(data))
         h = rx.expect("r", sink, timeout=20)
         s = tx.send("r", BytesSource(data), token=h.token, timeout=20)

@@ -64,7 +64,19 @@ MESSAGES = st.one_of(
     st.builds(Ping, U64),
     st.builds(Pong, U64),
     st.builds(
-        Open, U64, st.binary(min_size=16, max_size=16), U64, U64, U32, U32, U32, U16, U16, U8, U8, TEXT
+        Open,
+        U64,
+        st.binary(min_size=16, max_size=16),
+        U64,
+        U64,
+        U32,
+        U32,
+        U32,
+        U16,
+        U16,
+        U8,
+        U8,
+        TEXT,
     ),
     st.builds(Resume, U64, RANGES),
     st.builds(
@@ -89,7 +101,16 @@ MESSAGES = st.one_of(
 
 def norm(m: object) -> object:
     if isinstance(m, Data):
-        return (m.transfer_id, m.seq, m.offset, m.raw_length, m.codec, m.shuffle, m.checksum, bytes(m.data))
+        return (
+            m.transfer_id,
+            m.seq,
+            m.offset,
+            m.raw_length,
+            m.codec,
+            m.shuffle,
+            m.checksum,
+            bytes(m.data),
+        )
     return m
 
 

@@ -311,11 +311,6 @@ async def connect(
     """Open a connection and run the client handshake; raises ConnectTimeout,
     HandshakeTimeout, PeerGone, or the handshake's typed error."""
     loop = asyncio.get_running_loop()
-    kwargs: dict[str, object] = {}
-    if ssl is not None:
-        kwargs["ssl"] = ssl
-        kwargs["server_hostname"] = server_hostname or host
-        kwargs["ssl_handshake_timeout"] = handshake_timeout
     try:
         _, conn = await asyncio.wait_for(
             loop.create_connection(
@@ -324,7 +319,9 @@ async def connect(
                 ),
                 host,
                 port,
-                **kwargs,  # type: ignore[arg-type]
+                ssl=ssl,
+                server_hostname=(server_hostname or host) if ssl is not None else None,
+                ssl_handshake_timeout=handshake_timeout if ssl is not None else None,
             ),
             connect_timeout,
         )
@@ -337,7 +334,9 @@ async def connect(
         await asyncio.wait_for(_client_steps(conn, handshake), handshake_timeout)
     except TimeoutError:
         conn.abort_transport()
-        raise HandshakeTimeout(f"handshake with {host}:{port} took over {handshake_timeout} s") from None
+        raise HandshakeTimeout(
+            f"handshake with {host}:{port} took over {handshake_timeout} s"
+        ) from None
     except KVBridgeError as e:
         if handshake.error is not None:
             with contextlib.suppress(KVBridgeError):
@@ -361,9 +360,7 @@ async def _client_steps(conn: FrameConnection, hs: ClientHandshake) -> None:
     hs.on_ready(ready)
 
 
-async def serve_handshake(
-    conn: FrameConnection, hs: ServerHandshake, timeout: float
-) -> PeerInfo:
+async def serve_handshake(conn: FrameConnection, hs: ServerHandshake, timeout: float) -> PeerInfo:
     """Run the server side of the handshake on a fresh connection."""
     try:
         await asyncio.wait_for(_server_steps(conn, hs), timeout)
@@ -393,4 +390,3 @@ async def _server_steps(conn: FrameConnection, hs: ServerHandshake) -> None:
     ready = hs.on_auth(auth)
     conn.set_max_payload(hs.max_frame)
     conn.send(ready)
-

@@ -13,6 +13,7 @@ whole transfer ever exists.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -66,6 +67,7 @@ class BytesSource:
         layer_range: tuple[int, int] = (0, 0),
     ) -> None:
         self._mv = memoryview(data).cast("B")
+        self._np = np.frombuffer(self._mv, np.uint8)
         self.nbytes = len(self._mv)
         self.itemsize = itemsize
         self.layout_hash = layout_hash
@@ -74,7 +76,13 @@ class BytesSource:
 
     def read_into(self, offset: int, out: memoryview) -> None:
         _check(offset, len(out), self.nbytes)
-        out[:] = self._mv[offset : offset + len(out)]
+        np.copyto(np.frombuffer(out, np.uint8), self._np[offset : offset + len(out)])
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """The bytes themselves, without a copy (the transport uses this when a
+        source has it; they must stay unchanged until the transfer completes)."""
+        _check(offset, n, self.nbytes)
+        return self._mv[offset : offset + n]
 
 
 class BytesSink:
@@ -89,6 +97,7 @@ class BytesSink:
         layer_range: tuple[int, int] = (0, 0),
     ) -> None:
         self.data = bytearray(nbytes)
+        self._np = np.frombuffer(self.data, np.uint8)
         self.nbytes = nbytes
         self.layout_hash = layout_hash
         self.token_range = token_range
@@ -98,7 +107,7 @@ class BytesSink:
 
     def write(self, offset: int, data: memoryview) -> None:
         _check(offset, len(data), self.nbytes)
-        self.data[offset : offset + len(data)] = data
+        np.copyto(self._np[offset : offset + len(data)], np.frombuffer(data, np.uint8))
         self.writes += 1
 
     def flush(self) -> None:
@@ -114,8 +123,7 @@ class _KVBase:
         end: int,
         layers: tuple[int, int] | None,
     ) -> None:
-        from .. import pack as _pack
-
+        _pack: Any = importlib.import_module("kvbridge.pack")
         self._pack = _pack
         layout = cache.layout
         l0, l1 = layout.layer_range(layers)
@@ -172,7 +180,13 @@ class KVSink(_KVBase):
             stage.numpy()[:] = src
             src = stage
         self._pack.unpack(
-            self.cache, self.block_table, self.start, self.end, src, layers=self.layers, offset=offset
+            self.cache,
+            self.block_table,
+            self.start,
+            self.end,
+            src,
+            layers=self.layers,
+            offset=offset,
         )
         if cuda:
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()

@@ -71,7 +71,7 @@ class MockTransport(asyncio.Transport):
         """Deliver ``data`` to the protocol in ``chunk``-byte reads."""
         mv = memoryview(data)
         while len(mv) and not self.closed:
-            buf = self.protocol.get_buffer(-1)
+            buf = memoryview(self.protocol.get_buffer(-1))
             n = min(len(buf), len(mv), self.chunk)
             buf[:n] = mv[:n]
             mv = mv[n:]

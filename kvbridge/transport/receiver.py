@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import os
 import ssl as _ssl
@@ -52,6 +54,7 @@ from ..wire.frames import (
 )
 from ..wire.grid import ChunkGrid
 from ..wire.handshake import PeerInfo, ServerHandshake
+from .bufpool import BufferPool
 from .conn import FrameConnection, serve_handshake
 from .kvio import Sink
 
@@ -67,7 +70,7 @@ class ReceiverLimits:
     """Per-peer limits (a peer is one handshake identity)."""
 
     max_connections_per_peer: int = 64
-    max_inflight_bytes_per_peer: int = 256 << 20
+    max_inflight_bytes_per_peer: int = 64 << 20
     max_frame: int = DEFAULT_MAX_FRAME
     max_transfers_per_connection: int = 4096
     max_unknown_tokens: int = 8  # per connection, then the connection is closed
@@ -120,7 +123,9 @@ class ExpectHandle:
         try:
             return await asyncio.wait_for(asyncio.shield(self._fut), timeout)
         except TimeoutError:
-            raise TransferTimeout(f"transfer {self.request_id!r} not complete after {timeout} s") from None
+            raise TransferTimeout(
+                f"transfer {self.request_id!r} not complete after {timeout} s"
+            ) from None
 
     def __await__(self) -> Generator[Any, None, int]:
         return asyncio.shield(self._fut).__await__()
@@ -147,6 +152,7 @@ class _RxTransfer:
         self.attached: dict[FrameConnection, int] = {}
         self.finished = False
         self.complete = False
+        self.priority = 0
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -195,16 +201,19 @@ class TcpReceiver:
         self.handshake_timeout = handshake_timeout
         self.keepalive_interval = keepalive_interval
         self.keepalive_timeout = keepalive_timeout
-        self._pool = ThreadPoolExecutor(
-            max_workers=workers or min(8, os.cpu_count() or 2), thread_name_prefix="kvb-rx"
-        )
-        self._server: asyncio.AbstractServer | None = None
+        self._workers = workers or min(8, os.cpu_count() or 2)
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvb-rx")
+        self._queue: list[tuple[int, int, int, tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self._running = 0
+        self._server: asyncio.Server | None = None
         self._expected: dict[bytes, _RxTransfer] = {}
         self._peers: dict[str, _Peer] = {}
         self._conns: dict[FrameConnection, _ConnState] = {}
         self._handshakes: set[asyncio.Task[None]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._control: dict[int, ControlHandler] = {}
+        self._bufpool = BufferPool()
         self.stats: dict[str, int] = {"handshake_failures": 0, "unknown_tokens": 0}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -309,6 +318,7 @@ class TcpReceiver:
 
     # ---- connections ---------------------------------------------------------------------
     def _on_made(self, conn: FrameConnection) -> None:
+        conn.decoder.allocate = self._bufpool.get
         task = asyncio.get_running_loop().create_task(self._handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
@@ -398,6 +408,7 @@ class TcpReceiver:
             return
         if t.grid is None:
             t.grid = ChunkGrid(m.total_bytes, m.chunk_size)
+            t.priority = m.priority
         st.transfers[m.transfer_id] = t
         t.attached[conn] = m.transfer_id
         conn.send(Resume(m.transfer_id, t.grid.to_ranges(t.held)))
@@ -448,9 +459,27 @@ class TcpReceiver:
         t.writing[idx] = {conn: m.transfer_id}
         size = HEADER_SIZE + DATA_HEADER_SIZE + m.wire_length
         self._charge(st.peer, size)
-        task = asyncio.get_running_loop().create_task(self._write(t, idx, m, st.peer, size))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        left = t.handle.total_bytes - t.handle.received_bytes
+        heapq.heappush(
+            self._queue, (-t.priority, left, next(self._seq), (t, idx, m, st.peer, size))
+        )
+        self._pump()
+
+    def _pump(self) -> None:
+        """Start queued writes, up to one per worker thread: the highest
+        priority, then the transfer with the fewest bytes left, goes first, so
+        that a small transfer is not queued behind a large one here either."""
+        while self._queue and self._running < self._workers:
+            *_, job = heapq.heappop(self._queue)
+            self._running += 1
+            task = asyncio.get_running_loop().create_task(self._write(*job))
+            self._tasks.add(task)
+            task.add_done_callback(self._write_done)
+
+    def _write_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._running -= 1
+        self._pump()
 
     # ---- budget --------------------------------------------------------------------------
     def _charge(self, peer: _Peer, n: int) -> None:
@@ -495,6 +524,8 @@ class TcpReceiver:
             return
         finally:
             self._refund(peer, size)
+            if isinstance(m.data, memoryview):
+                self._bufpool.put(m.data.obj)
         waiters = t.writing.pop(idx, {})
         if t.finished:
             return

@@ -41,12 +41,12 @@ from ..wire.chunk import encode_chunk
 from ..wire.frames import (
     ALL_CAPABILITIES,
     DATA_HEADER_SIZE,
-    Capability,
-    ChunkCodec,
     DEFAULT_MAX_FRAME,
     TOKEN_SIZE,
     Abort,
     Ack,
+    Capability,
+    ChunkCodec,
     Complete,
     Control,
     Data,
@@ -116,7 +116,9 @@ class SendHandle:
         try:
             return await asyncio.wait_for(asyncio.shield(self._fut), timeout)
         except TimeoutError:
-            raise TransferTimeout(f"transfer {self.request_id!r} not confirmed after {timeout} s") from None
+            raise TransferTimeout(
+                f"transfer {self.request_id!r} not confirmed after {timeout} s"
+            ) from None
 
     def __await__(self) -> Generator[Any, None, SendStats]:
         return asyncio.shield(self._fut).__await__()
@@ -136,7 +138,13 @@ class _TxTransfer:
     _arrivals = itertools.count()
 
     def __init__(
-        self, handle: SendHandle, source: Source, token: bytes, request_id: str, chunk: int, prio: int
+        self,
+        handle: SendHandle,
+        source: Source,
+        token: bytes,
+        request_id: str,
+        chunk: int,
+        prio: int,
     ) -> None:
         self.handle = handle
         self.source = source
@@ -223,7 +231,9 @@ class TcpSender:
         if streams < 1:
             raise InvalidArgument("streams must be >= 1")
         if not 0 < chunk_size <= DEFAULT_MAX_FRAME - DATA_HEADER_SIZE:
-            raise InvalidArgument(f"chunk_size must be in (0, {DEFAULT_MAX_FRAME - DATA_HEADER_SIZE}]")
+            raise InvalidArgument(
+                f"chunk_size must be in (0, {DEFAULT_MAX_FRAME - DATA_HEADER_SIZE}]"
+            )
         self.host, self.port = host, port
         self.streams = streams
         self.chunk_size = chunk_size
@@ -240,7 +250,9 @@ class TcpSender:
         self.reconnect_timeout = reconnect_timeout
         self.max_resends = max_resends
         self.policy = (
-            compression if isinstance(compression, CompressionPolicy) else CompressionPolicy(compression)
+            compression
+            if isinstance(compression, CompressionPolicy)
+            else CompressionPolicy(compression)
         )
         self.scheduler = ChunkScheduler(scheduler)
         self._pool = ThreadPoolExecutor(
@@ -370,7 +382,9 @@ class TcpSender:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
         if not self._links and not self._closing:
-            err = PeerGone(f"no connection to {self.host}:{self.port} could be re-established: {last}")
+            err = PeerGone(
+                f"no connection to {self.host}:{self.port} could be re-established: {last}"
+            )
             for t in list(self._active):
                 self._finish(t, err, None)
 
@@ -389,7 +403,9 @@ class TcpSender:
         transfer ``token``.  ``priority`` (0-255, higher first) beats the
         shortest-remaining-first order; ``timeout`` bounds the whole transfer."""
         if not isinstance(source, Source):
-            raise InvalidArgument("source must provide nbytes, itemsize, layout_hash, ranges, read_into")
+            raise InvalidArgument(
+                "source must provide nbytes, itemsize, layout_hash, ranges, read_into"
+            )
         if len(token) != TOKEN_SIZE:
             raise InvalidArgument(f"token must be {TOKEN_SIZE} bytes")
         if not 0 <= priority <= 255:
@@ -546,7 +562,9 @@ class TcpSender:
             off = idx * t.grid.chunk_size
             try:
                 tid = self._open_on(link, t)
-                conn.send(Data(tid, idx, off, raw_n, t.decision.codec, t.decision.shuffle, ck, wire))
+                conn.send(
+                    Data(tid, idx, off, raw_n, t.decision.codec, t.decision.shuffle, ck, wire)
+                )
             except KVBridgeError:
                 t.inflight.pop(idx, None)
                 t.requeue(idx)
@@ -627,7 +645,9 @@ class TcpSender:
             self._finish(t, _abort_error(m.code, m.reason), None)
         elif isinstance(m, Complete):
             if m.total_bytes != t.grid.total:
-                raise RemoteProtocolError(f"COMPLETE for {m.total_bytes} bytes, sent {t.grid.total}")
+                raise RemoteProtocolError(
+                    f"COMPLETE for {m.total_bytes} bytes, sent {t.grid.total}"
+                )
             t.handle.acked_bytes = t.grid.total
             self._finish(t, None, None)
 
@@ -678,6 +698,10 @@ def _clamp(d: CompressionDecision, caps: int) -> CompressionDecision:
 
 
 def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:
-    raw = bytearray(n)
-    source.read_into(off, memoryview(raw))
+    view = getattr(source, "view", None)
+    if view is not None:
+        raw: Any = view(off, n)  # bytes already in wire form: no copy
+    else:
+        raw = bytearray(n)
+        source.read_into(off, memoryview(raw))
     return encode_chunk(raw, codec, shuffle)

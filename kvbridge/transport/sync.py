@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from ..errors import TransferTimeout
 from .kvio import Sink, Source
 from .receiver import ExpectHandle, TcpReceiver
-from .sender import SendHandle, SendStats, TcpSender
+from .sender import SendHandle, TcpSender
 from .tcp import new_event_loop
 
 __all__ = ["EventLoopThread", "SyncHandle", "SyncReceiver", "SyncSender"]
@@ -65,11 +65,11 @@ class SyncHandle(Generic[H]):
 
     def __init__(self, loop: EventLoopThread, handle: H) -> None:
         self._loop = loop
-        self.handle = handle
+        self.handle: H = handle
 
     @property
     def progress(self) -> float:
-        return self.handle.progress
+        return float(self.handle.progress)
 
     @property
     def token(self) -> bytes:
@@ -77,7 +77,7 @@ class SyncHandle(Generic[H]):
         return self.handle.token
 
     def done(self) -> bool:
-        return self.handle.done()
+        return bool(self.handle.done())
 
     def cancel(self) -> None:
         self._loop.loop.call_soon_threadsafe(self.handle.cancel)
@@ -164,6 +164,3 @@ class SyncSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-_ = SendStats

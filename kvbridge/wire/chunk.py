@@ -13,6 +13,8 @@ Exactly as docs/protocol.md specifies:
 
 from __future__ import annotations
 
+import threading
+
 import lz4.block
 import numpy as np
 import xxhash
@@ -23,7 +25,21 @@ from .frames import ChunkCodec
 
 __all__ = ["checksum", "decode_chunk", "encode_chunk", "shuffle2", "unshuffle2"]
 
-_ZSTD_D = zstandard.ZstdDecompressor()
+_LOCAL = threading.local()  # zstd contexts are not thread-safe: one per thread
+
+
+def _zstd_d() -> zstandard.ZstdDecompressor:
+    d = getattr(_LOCAL, "d", None)
+    if d is None:
+        d = _LOCAL.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def _zstd_c() -> zstandard.ZstdCompressor:
+    c = getattr(_LOCAL, "c", None)
+    if c is None:
+        c = _LOCAL.c = zstandard.ZstdCompressor(level=1)
+    return c
 
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
@@ -46,7 +62,7 @@ def unshuffle2(data: bytes | bytearray | memoryview, out: memoryview | None = No
     pairs[:, 0] = a[:half]
     pairs[:, 1] = a[half:even]
     res[even:] = a[even:]
-    return memoryview(res).cast("B")
+    return res.data.cast("B")
 
 
 def encode_chunk(
@@ -57,7 +73,7 @@ def encode_chunk(
     if codec == ChunkCodec.LZ4:
         body = lz4.block.compress(body, store_size=False)
     elif codec == ChunkCodec.ZSTD:
-        body = zstandard.ZstdCompressor(level=1).compress(body)
+        body = _zstd_c().compress(body)
     elif codec != ChunkCodec.RAW:
         raise ValueError(f"unknown chunk codec {codec}")
     return body, checksum(body)
@@ -91,7 +107,7 @@ def decode_chunk(
             if codec == ChunkCodec.LZ4:
                 body = lz4.block.decompress(data, uncompressed_size=raw_length)
             else:
-                body = _ZSTD_D.decompress(data, max_output_size=raw_length)
+                body = _zstd_d().decompress(data, max_output_size=raw_length)
         except Exception as e:
             raise ChecksumError(f"chunk does not decompress: {e}") from None
     if len(body) != raw_length:

@@ -4,11 +4,14 @@
 magic, version, type and length of each header *before* it allocates the
 payload, and it can hand out the buffer to read into (``get_buffer`` /
 ``buffer_updated``, the shape of :class:`asyncio.BufferedProtocol`) so that a
-large DATA payload is received straight into its own allocation, without an
-intermediate copy.  :meth:`FrameDecoder.feed` is the plain bytes-in variant.
+large DATA payload is received straight into its own allocation (from
+``allocate``, which may hand out pooled buffers of exactly the asked size),
+without an intermediate copy.  :meth:`FrameDecoder.feed` is the plain bytes-in variant.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from ..errors import FrameTooLarge, RemoteProtocolError, UnknownFrame, VersionMismatch
 from .frames import (
@@ -58,8 +61,13 @@ class FrameDecoder:
     version negotiation can happen, and every other frame must be version 1.
     """
 
-    def __init__(self, max_payload: int = DEFAULT_MAX_FRAME) -> None:
+    def __init__(
+        self,
+        max_payload: int = DEFAULT_MAX_FRAME,
+        allocate: Callable[[int], bytearray] | None = None,
+    ) -> None:
         self.max_payload = max_payload
+        self.allocate: Callable[[int], bytearray] = allocate or bytearray
         self.version: int | None = None
         self._stage = bytearray(_STAGING)
         self._r = 0
@@ -155,7 +163,7 @@ class FrameDecoder:
                     self._compact()
                 return
             else:
-                big = bytearray(length)
+                big = self.allocate(length)
                 big[:avail] = self._stage[start : start + avail]
                 self._big, self._big_filled = big, avail
                 self._big_hdr = (ftype, flags, length)

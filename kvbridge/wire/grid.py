@@ -30,7 +30,9 @@ class ChunkGrid:
             raise RemoteProtocolError(f"offset {offset} is not on the chunk grid")
         idx = offset // self.chunk_size
         if self.span(idx)[1] != length:
-            raise RemoteProtocolError(f"chunk at {offset} has length {length}, not {self.span(idx)[1]}")
+            raise RemoteProtocolError(
+                f"chunk at {offset} has length {length}, not {self.span(idx)[1]}"
+            )
         return idx
 
     def to_ranges(self, indexes: Iterable[int]) -> tuple[tuple[int, int], ...]:

@@ -292,7 +292,11 @@ class ServerHandshake(_Base):
 
     def on_hello(self, hello: Hello) -> HelloAck:
         lo, hi = SUPPORTED_VERSIONS
-        if hello.min_version > hi or hello.max_version < lo or hello.min_version > hello.max_version:
+        if (
+            hello.min_version > hi
+            or hello.max_version < lo
+            or hello.min_version > hello.max_version
+        ):
             raise self._fail(
                 VersionMismatch(
                     f"client speaks protocol versions {hello.min_version}-{hello.max_version}; "
@@ -371,7 +375,13 @@ class ServerHandshake(_Base):
             raise self._fail(RemoteProtocolError("AUTH before HELLO"), ErrorCode.PROTOCOL_ERROR)
         if self._key:
             want = psk_proof(
-                self._key, CLIENT_LABEL, h.nonce, self.nonce, self.compat_hash, h.identity, self.identity
+                self._key,
+                CLIENT_LABEL,
+                h.nonce,
+                self.nonce,
+                self.compat_hash,
+                h.identity,
+                self.identity,
             )
             if not hmac.compare_digest(want, auth.proof):
                 raise self._fail(
@@ -391,4 +401,4 @@ class ServerHandshake(_Base):
         return Ready()
 
 
-assert PROTOCOL_VERSION == SUPPORTED_VERSIONS[1]
+assert SUPPORTED_VERSIONS[1] == PROTOCOL_VERSION
