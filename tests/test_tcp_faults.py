@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tcp_support import FaultProxy, OnceSink, arun
 
-from kvbridge.errors import PeerGone, ResourceLimit
+from kvbridge.errors import PeerGone, ResourceLimit, TransferAborted
 from kvbridge.transport.conn import FrameConnection
 from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.sender import TcpSender, _TxTransfer
@@ -151,9 +151,10 @@ def test_sender_fails_with_peer_gone_when_receiver_disappears() -> None:
         while sh.acked_bytes == 0:
             await asyncio.sleep(0.001)
         await rx.close()
-        with pytest.raises(Exception) as ei:
+        with pytest.raises((TransferAborted, PeerGone)) as ei:
             await sh.wait(10)
-        assert isinstance(ei.value, PeerGone | Exception)
+        if isinstance(ei.value, TransferAborted):
+            assert ei.value.code == ErrorCode.SHUTDOWN
         await tx.close()
 
     arun(main())
@@ -252,5 +253,43 @@ def test_connection_limit_per_peer() -> None:
         await extra.close()
         await tx.close()
         await rx.close()
+
+    arun(main())
+
+
+def test_handshake_and_connect_timeouts_are_typed() -> None:
+    from kvbridge.errors import ConnectTimeout, HandshakeTimeout
+
+    async def main() -> None:
+        async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.read()  # accepts, never answers the HELLO
+            w.close()
+
+        srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        tx = TcpSender("127.0.0.1", port, streams=1, handshake_timeout=0.2, connect_timeout=0.5)
+        with pytest.raises(HandshakeTimeout):
+            await tx.connect()
+        await tx.close()
+        tx2 = TcpSender("127.0.0.1", port, streams=1, connect_timeout=1e-9)
+        with pytest.raises(ConnectTimeout):
+            await tx2.connect()
+        await tx2.close()
+        srv.close()
+        await srv.wait_closed()
+
+    arun(main())
+
+
+def test_refused_connection_is_peer_gone_after_the_deadline() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        port = rx.port
+        await rx.close()  # nothing listens there now
+        tx = TcpSender("127.0.0.1", port, streams=2, connect_timeout=0.3)
+        h = tx.send("r", BytesSource(b"x"), token=bytes(16))
+        with pytest.raises(PeerGone):
+            await h.wait(5)
+        await tx.close()
 
     arun(main())

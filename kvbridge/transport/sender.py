@@ -70,6 +70,7 @@ __all__ = ["SendHandle", "SendStats", "TcpSender"]
 
 DEFAULT_STREAMS = 4
 DEFAULT_CHUNK = 4 << 20
+INLINE_BYTES = 1 << 20  # chunk work up to this size runs on the event loop
 _FATAL_HANDSHAKE = (AuthenticationError, IncompatiblePeer, VersionMismatch)
 
 
@@ -597,6 +598,9 @@ class TcpSender:
                     )
                     return wire, ck, n
         d = t.decision
+        if d.codec == ChunkCodec.RAW and n <= INLINE_BYTES and hasattr(t.source, "view"):
+            # a checksum of a zero-copy view: cheaper than a hop to a worker thread
+            return (*_read_and_encode(t.source, off, n, d.codec, d.shuffle), n)
         wire, ck = await loop.run_in_executor(
             self._pool, _read_and_encode, t.source, off, n, d.codec, d.shuffle
         )
