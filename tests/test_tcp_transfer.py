@@ -297,3 +297,21 @@ def test_bad_arguments() -> None:
         await rx.close()
 
     arun(main())
+
+
+def test_chunk_size_fits_a_receiver_with_small_frames() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver(limits=ReceiverLimits(max_frame=64 * KiB)).start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=4 * MiB)
+        data = os.urandom(MiB + 3)
+        sink = OnceSink(len(data))
+        h = rx.expect("r", sink)
+        stats = await tx.send("r", BytesSource(data), token=h.token).wait(20)
+        await h.wait(20)
+        assert bytes(sink.data) == data
+        assert max(b - a for a, b in sink.spans) <= 64 * KiB - 44
+        assert stats.chunks_sent == len(sink.spans)
+        await tx.close()
+        await rx.close()
+
+    arun(main())
