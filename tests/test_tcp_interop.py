@@ -30,7 +30,7 @@ def s(text: str) -> bytes:
 
 
 async def read_frame(r: asyncio.StreamReader) -> tuple[int, bytes]:
-    magic, ver, ftype, flags, n = struct.unpack("<IBBHI", await r.readexactly(12))
+    magic, ver, ftype, _flags, n = struct.unpack("<IBBHI", await r.readexactly(12))
     assert magic == MAGIC and ver == 1
     return ftype, await r.readexactly(n)
 
@@ -51,7 +51,7 @@ def test_doc_written_sender_into_kvbridge_receiver() -> None:
         w.write(frame(0x01, struct.pack("<BBBBQII32s", 1, 1, 1, 0, 0, 1 << 20, 0, nc) + s("ind")))
         t, p = await read_frame(r)
         assert t == 0x02
-        ver, auth, _, ch, mf, caps, ns, ps = struct.unpack_from("<BBHQII32s32s", p)
+        _ver, _auth, _, _ch, _mf, _caps, ns, ps = struct.unpack_from("<BBHQII32s32s", p)
         (idlen,) = struct.unpack_from("<H", p, 84)
         sid = p[86 : 86 + idlen].decode()
         assert ps == proof(b"kvbridge-v1 server proof", nc, ns, 0, "ind", sid)
@@ -124,12 +124,14 @@ def test_kvbridge_sender_into_doc_written_receiver() -> None:
                 except asyncio.IncompleteReadError:
                     return
                 if t == 0x10:
-                    tid, tok, lh, total, cs = struct.unpack_from("<Q16sQQI", p)
+                    tid, tok, _lh, total, cs = struct.unpack_from("<Q16sQQI", p)
                     assert tok == token and total == len(data) and cs + 44 <= 65536
                     tids[tid] = total
                     w.write(frame(0x11, struct.pack("<QI", tid, 0)))
                 elif t == 0x12:
-                    tid, seq, off, raw, wl, codec, shuf, _, ck = struct.unpack_from("<QQQIIBBHQ", p)
+                    tid, _seq, off, raw, wl, codec, _shuf, _, ck = struct.unpack_from(
+                        "<QQQIIBBHQ", p
+                    )
                     body = p[len(p) - wl :]
                     assert codec == 0 and xxhash.xxh3_64_intdigest(body) == ck
                     got[off : off + raw] = body
