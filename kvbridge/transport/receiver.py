@@ -503,8 +503,7 @@ class TcpReceiver:
                 self._finish(t, ChecksumError("too many damaged chunks"), ErrorCode.CHECKSUM)
             return
         except RemoteProtocolError as e:
-            t.writing.pop(idx, None)
-            for c in list(t.writing.get(idx, {})):
+            for c in t.writing.pop(idx, {}):
                 c.fail(e)
             self._finish(t, e, ErrorCode.PROTOCOL_ERROR)
             return
