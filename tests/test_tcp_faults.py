@@ -52,10 +52,12 @@ class AckAudit:
         monkeypatch.setattr(_TxTransfer, "__init__", init)
 
 
-def resume_case(resets: list[int | None], size: int, streams: int, chunk: int) -> None:
+def resume_case(
+    resets: list[int | None], size: int, streams: int, chunk: int, corrupt: set[int] | None = None
+) -> None:
     async def main() -> None:
         rx = await TcpReceiver().start()
-        proxy = FaultProxy(rx.port, reset_after=resets)
+        proxy = FaultProxy(rx.port, reset_after=resets, corrupt=corrupt)
         port = await proxy.start()
         tx = TcpSender("127.0.0.1", port, streams=streams, chunk_size=chunk, reconnect_timeout=10)
         data = os.urandom(size)
@@ -79,6 +81,7 @@ def resume_case(resets: list[int | None], size: int, streams: int, chunk: int) -
     size=st.integers(1, 3 * MiB),
     streams=st.integers(1, 3),
     chunk=st.sampled_from([64 * KiB, 256 * KiB]),
+    corrupt=st.sets(st.integers(0, 40), max_size=3),
 )
 def test_resume_after_resets_at_random_points(
     monkeypatch: pytest.MonkeyPatch,
@@ -86,10 +89,12 @@ def test_resume_after_resets_at_random_points(
     size: int,
     streams: int,
     chunk: int,
+    corrupt: set[int],
 ) -> None:
+    """Resets at random byte positions (mid-frame too), plus damaged chunks."""
     with monkeypatch.context() as mp:
         audit = AckAudit(mp)
-        resume_case(resets, size, streams, chunk)
+        resume_case(resets, size, streams, chunk, corrupt)
         assert audit.sent >= -(-size // chunk)
 
 
