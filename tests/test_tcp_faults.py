@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tcp_support import FaultProxy, OnceSink, arun
 
-from kvbridge.errors import PeerGone, ResourceLimit
+from kvbridge.errors import PeerGone, ResourceLimit, TransferAborted
 from kvbridge.transport.conn import FrameConnection
 from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.sender import TcpSender, _TxTransfer
@@ -52,10 +52,12 @@ class AckAudit:
         monkeypatch.setattr(_TxTransfer, "__init__", init)
 
 
-def resume_case(resets: list[int | None], size: int, streams: int, chunk: int) -> None:
+def resume_case(
+    resets: list[int | None], size: int, streams: int, chunk: int, corrupt: set[int] | None = None
+) -> None:
     async def main() -> None:
         rx = await TcpReceiver().start()
-        proxy = FaultProxy(rx.port, reset_after=resets)
+        proxy = FaultProxy(rx.port, reset_after=resets, corrupt=corrupt)
         port = await proxy.start()
         tx = TcpSender("127.0.0.1", port, streams=streams, chunk_size=chunk, reconnect_timeout=10)
         data = os.urandom(size)
@@ -79,6 +81,7 @@ def resume_case(resets: list[int | None], size: int, streams: int, chunk: int) -
     size=st.integers(1, 3 * MiB),
     streams=st.integers(1, 3),
     chunk=st.sampled_from([64 * KiB, 256 * KiB]),
+    corrupt=st.sets(st.integers(0, 40), max_size=3),
 )
 def test_resume_after_resets_at_random_points(
     monkeypatch: pytest.MonkeyPatch,
@@ -86,10 +89,12 @@ def test_resume_after_resets_at_random_points(
     size: int,
     streams: int,
     chunk: int,
+    corrupt: set[int],
 ) -> None:
+    """Resets at random byte positions (mid-frame too), plus damaged chunks."""
     with monkeypatch.context() as mp:
         audit = AckAudit(mp)
-        resume_case(resets, size, streams, chunk)
+        resume_case(resets, size, streams, chunk, corrupt)
         assert audit.sent >= -(-size // chunk)
 
 
@@ -151,9 +156,10 @@ def test_sender_fails_with_peer_gone_when_receiver_disappears() -> None:
         while sh.acked_bytes == 0:
             await asyncio.sleep(0.001)
         await rx.close()
-        with pytest.raises(Exception) as ei:
+        with pytest.raises((TransferAborted, PeerGone)) as ei:
             await sh.wait(10)
-        assert isinstance(ei.value, PeerGone | Exception)
+        if isinstance(ei.value, TransferAborted):
+            assert ei.value.code == ErrorCode.SHUTDOWN
         await tx.close()
 
     arun(main())
@@ -252,5 +258,43 @@ def test_connection_limit_per_peer() -> None:
         await extra.close()
         await tx.close()
         await rx.close()
+
+    arun(main())
+
+
+def test_handshake_and_connect_timeouts_are_typed() -> None:
+    from kvbridge.errors import ConnectTimeout, HandshakeTimeout
+
+    async def main() -> None:
+        async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.read()  # accepts, never answers the HELLO
+            w.close()
+
+        srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = srv.sockets[0].getsockname()[1]
+        tx = TcpSender("127.0.0.1", port, streams=1, handshake_timeout=0.2, connect_timeout=0.5)
+        with pytest.raises(HandshakeTimeout):
+            await tx.connect()
+        await tx.close()
+        tx2 = TcpSender("127.0.0.1", port, streams=1, connect_timeout=1e-9)
+        with pytest.raises(ConnectTimeout):
+            await tx2.connect()
+        await tx2.close()
+        srv.close()
+        await srv.wait_closed()
+
+    arun(main())
+
+
+def test_refused_connection_is_peer_gone_after_the_deadline() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        port = rx.port
+        await rx.close()  # nothing listens there now
+        tx = TcpSender("127.0.0.1", port, streams=2, connect_timeout=0.3)
+        h = tx.send("r", BytesSource(b"x"), token=bytes(16))
+        with pytest.raises(PeerGone):
+            await h.wait(5)
+        await tx.close()
 
     arun(main())

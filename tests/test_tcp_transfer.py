@@ -297,3 +297,51 @@ def test_bad_arguments() -> None:
         await rx.close()
 
     arun(main())
+
+
+def test_chunk_size_fits_a_receiver_with_small_frames() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver(limits=ReceiverLimits(max_frame=64 * KiB)).start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=4 * MiB)
+        data = os.urandom(MiB + 3)
+        sink = OnceSink(len(data))
+        h = rx.expect("r", sink)
+        stats = await tx.send("r", BytesSource(data), token=h.token).wait(20)
+        await h.wait(20)
+        assert bytes(sink.data) == data
+        assert max(b - a for a, b in sink.spans) <= 64 * KiB - 44
+        assert stats.chunks_sent == len(sink.spans)
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_sender_memory_bounded_when_the_receiver_is_slow() -> None:
+    import time
+
+    class SlowSink(BytesSink):
+        def write(self, offset: int, data: memoryview) -> None:
+            time.sleep(0.002)
+            super().write(offset, data)
+
+    async def main() -> None:
+        rx = await TcpReceiver(limits=ReceiverLimits(max_inflight_bytes_per_peer=MiB)).start()
+        chunk = 256 * KiB
+        tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=chunk)
+        data = os.urandom(24 * MiB)
+        sink = SlowSink(len(data))
+        h = rx.expect("slow", sink)
+        s = tx.send("slow", BytesSource(data), token=h.token)
+        peak = 0
+        while not s.done():
+            peak = max(peak, sum(link.conn.write_buffer_size for link in tx._links))
+            await asyncio.sleep(0.001)
+        await s.wait(30)
+        assert bytes(sink.data) == data
+        high = max(MiB, chunk)  # the write buffer's high-water mark per stream
+        assert 0 < peak <= 2 * (high + chunk + 100)
+        await tx.close()
+        await rx.close()
+
+    arun(main(), 60)

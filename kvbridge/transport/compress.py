@@ -105,13 +105,14 @@ class CompressionPolicy:
             (ChunkCodec.LZ4, d.ratio_lz4, tl),
         ):
             speed = n / max(secs, 1e-9)
+            if ratio < 0.95:  # only a speed that comes with a gain may skip future trials
+                self.best_compress_Bps = max(self.best_compress_Bps, speed)
             goodput = min(link / max(ratio, 1e-6), self.spare_cores * speed)
             if best is None or goodput > best[0]:
                 best = (goodput, codec, speed)
         assert best is not None
         goodput, codec, speed = best
         d.compress_Bps = speed
-        self.best_compress_Bps = max(self.best_compress_Bps, speed)
         if goodput >= self.margin * link:
             d.codec, d.shuffle = codec, shuffle
             d.reason = f"pays: {goodput / link:.2f}x the raw goodput"

@@ -43,6 +43,7 @@ from ..wire.frames import (
     TOKEN_SIZE,
     Abort,
     Ack,
+    ChunkCodec,
     Complete,
     Control,
     Data,
@@ -62,6 +63,7 @@ log = logging.getLogger("kvbridge.transport")
 
 __all__ = ["ExpectHandle", "ReceiverLimits", "TcpReceiver"]
 
+INLINE_BYTES = 256 << 10  # raw chunks up to this size are written on the event loop
 ControlHandler = Callable[[FrameConnection, int, bytes], None]
 
 
@@ -500,7 +502,10 @@ class TcpReceiver:
     async def _write(self, t: _RxTransfer, idx: int, m: Data, peer: _Peer, size: int) -> None:
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._pool, _decode_and_write, t.sink, m)
+            if m.codec == ChunkCodec.RAW and m.raw_length <= INLINE_BYTES:
+                _decode_and_write(t.sink, m)  # cheaper than a hop to a worker thread
+            else:
+                await loop.run_in_executor(self._pool, _decode_and_write, t.sink, m)
         except ChecksumError as e:
             waiters = t.writing.pop(idx, {})
             t.handle.stats["bad_chunks"] += 1
@@ -512,8 +517,7 @@ class TcpReceiver:
                 self._finish(t, ChecksumError("too many damaged chunks"), ErrorCode.CHECKSUM)
             return
         except RemoteProtocolError as e:
-            t.writing.pop(idx, None)
-            for c in list(t.writing.get(idx, {})):
+            for c in t.writing.pop(idx, {}):
                 c.fail(e)
             self._finish(t, e, ErrorCode.PROTOCOL_ERROR)
             return

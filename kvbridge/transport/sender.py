@@ -70,6 +70,7 @@ __all__ = ["SendHandle", "SendStats", "TcpSender"]
 
 DEFAULT_STREAMS = 4
 DEFAULT_CHUNK = 4 << 20
+INLINE_BYTES = 1 << 20  # chunk work up to this size runs on the event loop
 _FATAL_HANDSHAKE = (AuthenticationError, IncompatiblePeer, VersionMismatch)
 
 
@@ -150,11 +151,9 @@ class _TxTransfer:
         self.source = source
         self.token = token
         self.request_id = request_id
-        self.grid = ChunkGrid(source.nbytes, chunk)
         self.priority = prio
         self.arrival = next(self._arrivals)
-        self._heap = list(range(self.grid.count))
-        self._pending = set(self._heap)
+        self.set_chunk_size(chunk)
         self.acked: set[int] = set()
         self.inflight: dict[int, _Link] = {}
         self.resends: dict[int, int] = {}
@@ -165,6 +164,12 @@ class _TxTransfer:
         self.finished = False
         self.mode: str | None = None
         self.timer: asyncio.TimerHandle | None = None
+
+    def set_chunk_size(self, chunk: int) -> None:
+        """Fix the chunk grid (before the first OPEN)."""
+        self.grid = ChunkGrid(self.source.nbytes, chunk)
+        self._heap = list(range(self.grid.count))
+        self._pending = set(self._heap)
 
     # Schedulable
     @property
@@ -261,6 +266,7 @@ class TcpSender:
         )
         self._links: list[_Link] = []
         self._peer_caps = ALL_CAPABILITIES
+        self._peer_max_frame = DEFAULT_MAX_FRAME
         self._active: set[_TxTransfer] = set()
         self._connect_lock = asyncio.Lock()
         self._connected = False
@@ -324,6 +330,7 @@ class TcpSender:
             raise PeerGone("sender closed")
         link = _Link(conn)
         self._peer_caps = hs.peer.capabilities
+        self._peer_max_frame = hs.peer.max_frame
         conn.set_write_limits(max(1 << 20, self.chunk_size))
         conn.on_close.append(lambda c, e: self._on_link_lost(link, e))
         conn.start(hs.peer, lambda c, m: self._on_message(link, m))
@@ -445,6 +452,10 @@ class TcpSender:
             return
         if t.finished:
             return
+        # a receiver may accept smaller frames than our chunk size
+        chunk = min(self.chunk_size, self._peer_max_frame - DATA_HEADER_SIZE)
+        if chunk != t.grid.chunk_size:
+            t.set_chunk_size(chunk)
         # OPEN at once on one connection: the receiver checks the token now,
         # and a cancel reaches it even before the first chunk is ready
         for link in self._links:
@@ -604,6 +615,9 @@ class TcpSender:
                     )
                     return wire, ck, n
         d = t.decision
+        if d.codec == ChunkCodec.RAW and n <= INLINE_BYTES and hasattr(t.source, "view"):
+            # a checksum of a zero-copy view: cheaper than a hop to a worker thread
+            return (*_read_and_encode(t.source, off, n, d.codec, d.shuffle), n)
         wire, ck = await loop.run_in_executor(
             self._pool, _read_and_encode, t.source, off, n, d.codec, d.shuffle
         )
