@@ -1,0 +1,131 @@
+"""WAN goodput through the packet-level emulator, as a fraction of the line rate.
+
+For each WAN point (rate, round trip, loss) the receiving end runs in one
+network namespace and the sender in the other; the kernel's TCP on both ends
+sees the real round trip, window limits and loss.  Each row moves the same
+bytes with kvbridge (N streams, chunk size, compression) and with one plain
+TCP stream (raw uvloop socket) in the same run.  Data: fp16 KV-like bytes
+(synthetic, with per-channel scales).  Needs root (network namespaces).
+
+  kvbridge-bench wan                           default points and sweeps
+  kvbridge-bench wan --points 1gbit:40ms:0.1%  one point
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..errors import Unavailable
+
+DEFAULT_POINTS = "1gbit:40ms:0,1gbit:40ms:0.1%,2gbit:10ms:0"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--points", default=DEFAULT_POINTS, help="RATE:RTT:LOSS,... (e.g. 1gbit:40ms:0.1%%)")
+    p.add_argument("--bytes-mib", type=int, default=96, help="bytes per run")
+    p.add_argument("--streams", default="1,2,4,8", help="stream counts to sweep (default chunk)")
+    p.add_argument("--chunks-kib", default="256,1024,4096,8192", help="chunk sizes (4 streams)")
+    p.add_argument("--quick", action="store_true", help="one WAN point, a short sweep")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _point(spec: str) -> tuple[float, float, float]:
+    from ..transport.emulator.params import parse_fraction, parse_rate, parse_time
+
+    rate, rtt, loss = spec.split(":")
+    return parse_rate(rate), parse_time(rtt) * 1e3, parse_fraction(loss)
+
+
+def _rows(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+    streams = [int(x) for x in args.streams.split(",")]
+    chunks = [int(x) for x in args.chunks_kib.split(",")]
+    if args.quick:
+        streams, chunks = [1, 4], [4096]
+    rows = [(s, 4096, "off") for s in streams]
+    rows += [(4, c, "off") for c in chunks if c != 4096]
+    rows.append((4, 4096, "auto"))
+    return rows
+
+
+def measure_point(
+    rate_bps: float, rtt_ms: float, loss: float, rows: list[tuple[int, int, str]], mib: int, bar: Any
+) -> list[dict[str, Any]]:
+    from ..transport.emulator import WanEmulator
+
+    py = sys.executable
+    out: list[dict[str, Any]] = []
+    with WanEmulator(rate_bps=rate_bps, rtt_ms=rtt_ms, loss=loss) as emu:
+        host = emu.addr("b")
+        srv = emu.popen(
+            "b",
+            [py, "-m", "kvbridge.cli.transfer", "serve", "--host", host, "--port", "0"],
+            stdout=__import__("subprocess").PIPE,
+            text=True,
+        )
+        try:
+            info = json.loads(srv.stdout.readline())
+            target = f"{host}:{info['port']}:{info['raw_port']}"
+            for streams, chunk_kib, comp in rows:
+                res = emu.run(
+                    "a",
+                    [py, "-m", "kvbridge.cli.transfer", "--connect", target,
+                     "--skip", "latency", "--skip", "compression", "--bytes-mib", mib,
+                     "--streams", streams, "--chunk-kib", chunk_kib, "--repeats", 1,
+                     "--compression", comp, "--json", "--no-progress"],
+                    timeout=300, capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                g = json.loads(res.stdout.strip().splitlines()[-1])["goodput"]
+                out.append(
+                    {
+                        "streams": streams,
+                        "chunk_kib": chunk_kib,
+                        "compression": comp,
+                        "kvbridge_of_line": g["kvbridge_GBps"] * 8e9 / rate_bps,
+                        "raw_same_streams_of_line": g["raw_GBps"] * 8e9 / rate_bps,
+                        "decision": g.get("compression", {}),
+                    }
+                )
+                bar(1)
+        finally:
+            srv.terminate()
+            srv.wait(10)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..transport.emulator import WanEmulator
+
+    ok, reason = WanEmulator.available()
+    if not ok:
+        raise Unavailable(f"the packet-level emulator is unavailable here: {reason}")
+    points = [_point(p) for p in args.points.split(",") if p]
+    if args.quick:
+        points = points[:1]
+    rows = _rows(args)
+    results = []
+    show = not (args.json or args.no_progress)
+    from tqdm import tqdm
+
+    with tqdm(total=len(points) * len(rows), desc="wan", disable=not show, file=sys.stderr) as t:
+        for rate, rtt, loss in points:
+            r = measure_point(rate, rtt, loss, rows, args.bytes_mib, t.update)
+            results.append({"rate_bps": rate, "rtt_ms": rtt, "loss": loss, "rows": r})
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    for pt in results:
+        print(
+            f"WAN {pt['rate_bps'] / 1e9:g} Gbit/s, RTT {pt['rtt_ms']:g} ms, loss {pt['loss'] * 100:g}%"
+            "  (goodput as a fraction of the line rate)"
+        )
+        print(f"  {'streams':>7} {'chunk':>8} {'compr':>6} {'kvbridge':>9} {'raw sockets':>12}")
+        for r in pt["rows"]:
+            print(
+                f"  {r['streams']:>7} {r['chunk_kib']:>6}Ki {r['compression']:>6} "
+                f"{r['kvbridge_of_line']:>9.2f} {r['raw_same_streams_of_line']:>12.2f}"
+            )
+    return 0
