@@ -72,6 +72,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per method first")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--real-wan",
+        metavar="RATE:RTT:LOSS",
+        help="also run it over kvbridge's TCP transport through the packet-level "
+        "emulator (needs root), e.g. 1gbit:40ms:0.1%%",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
 
@@ -291,8 +297,20 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     result = asyncio.run(_bench(args))
+    if args.real_wan:
+        from ..transport.emulator.params import parse_fraction, parse_rate, parse_time
+        from .handoff_wan import measure
+
+        rate, rtt, loss = args.real_wan.split(":")
+        result["real_wan"] = measure(
+            parse_rate(rate), parse_time(rtt) * 1e3, parse_fraction(loss), args.runs
+        )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print(result)
+        if "real_wan" in result:
+            from .handoff_wan import report
+
+            print(report(result["real_wan"]))
     return 0
