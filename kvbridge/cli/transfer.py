@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {}
     if "compression" not in args.skip:
         results["compression"] = bm.compression_report(bm.synthetic_kv(4 << 20))
+        results["compression_reference"] = bm.compression_report(bm.reference_kv(1 << 20))
     try:
         with _emulated(args.emulator, info["host"], info["port"], info["raw_port"]) as (h, ports):
             port, raw_port = ports[info["port"]], ports[info["raw_port"]]
@@ -139,11 +140,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(results: dict[str, Any]) -> None:
-    c = results.get("compression")
-    if c:
-        for d in c["decisions"]:
+    for key, what in (
+        ("compression", "synthetic fp16 KV"),
+        ("compression_reference", "reference-decoder bf16 KV"),
+    ):
+        for d in (results.get(key) or {}).get("decisions", []):
             print(
-                f"compress synthetic fp16 KV, {d['link_gbit']:g} Gbit/s link: zstd-1 ratio "
+                f"compress {what}, {d['link_gbit']:g} Gbit/s link: zstd-1 ratio "
                 f"{d['ratio_zstd']:.3f}, lz4 {d['ratio_lz4']:.3f} (after shuffle); "
                 f"-> {d['codec']} ({d['reason']})"
             )

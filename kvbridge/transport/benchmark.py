@@ -309,6 +309,28 @@ def synthetic_kv(nbytes: int, head_dim: int = 128, seed: int = 0) -> bytes:
     return vals.astype(np.float16).tobytes()[: n * 2]
 
 
+def reference_kv(nbytes: int = 4 << 20, dtype: str = "bf16", seed: int = 0) -> bytes:
+    """Real KV bytes: the reference decoder's cache after prefilling a random
+    prompt (4 layers, 2 KV heads of 32), packed into the wire layout."""
+    import torch
+
+    from ..pack import PagedKVCache, pack
+    from ..reference.decoder import DecoderConfig, ReferenceDecoder
+
+    cfg = DecoderConfig(seed=seed)
+    lay = cfg.kv_layout(dtype=dtype, page_tokens=16)
+    n = max(16, nbytes // lay.bytes_per_token)
+    dec = ReferenceDecoder(cfg, lay, lay.pages_for(n))
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()
+    dec.allocate(1)
+    dec.prefill({1: prompt[:512]})
+    for i in range(512, n, 512):  # chunked prefill keeps the attention small
+        dec.extend(1, prompt[i : i + 512])
+    cache = PagedKVCache(lay, dec.kv_cache)
+    return bytes(pack(cache, dec.block_table(1), 0, n))[:nbytes]
+
+
 def compression_report(
     data: bytes | memoryview,
     itemsize: int = 2,
