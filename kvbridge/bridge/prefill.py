@@ -151,6 +151,14 @@ class PrefillBridge:
             )
         return t
 
+    def _checked(self, rid: str, tickets: Mapping[str, bytes | Ticket]) -> dict[str, Ticket]:
+        """Every ticket decoded and checked before anything is sent."""
+        out = {n: self._ticket(n, raw) for n, raw in tickets.items()}
+        for name, t in out.items():
+            if t.request_id != rid:
+                raise InvalidArgument(f"{name}: ticket is for request {t.request_id!r}, not {rid!r}")
+        return out
+
     def send(
         self,
         request_id: str | int,
@@ -163,11 +171,8 @@ class PrefillBridge:
         """Send the KV each ticket asks for, to every destination at once.
         Each destination progresses and completes on its own."""
         rid = str(request_id)
-        checked = {n: self._ticket(n, raw) for n, raw in tickets.items()}
         out: dict[str, Delivery] = {}
-        for name, t in checked.items():
-            if t.request_id != rid:
-                raise InvalidArgument(f"{name}: ticket is for request {t.request_id!r}, not {rid!r}")
+        for name, t in self._checked(rid, tickets).items():
             if name in self._tcp:
                 src = KVSource(self.cache, block_table, t.start, t.end, (t.layer_start, t.layer_end))
                 out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
@@ -188,7 +193,7 @@ class PrefillBridge:
         """Start a send whose layers leave as prefill finishes them: call
         :meth:`LayerwiseSend.layers_ready` after each layer (or group)."""
         rid = str(request_id)
-        checked = {n: self._ticket(n, raw) for n, raw in tickets.items()}
+        checked = self._checked(rid, tickets)
         return LayerwiseSend(self, rid, block_table, checked, priority, timeout, layer_timeout)
 
     def _tcp_delivery(

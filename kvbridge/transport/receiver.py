@@ -57,6 +57,7 @@ from ..wire.grid import ChunkGrid
 from ..wire.handshake import PeerInfo, ServerHandshake
 from .bufpool import BufferPool
 from .conn import FrameConnection, serve_handshake
+from .handle import TransferHandleBase
 from .kvio import Sink
 
 log = logging.getLogger("kvbridge.transport")
@@ -94,53 +95,26 @@ def _abort_error(code: int, reason: str) -> KVBridgeError:
     return TransferAborted(reason, code)
 
 
-class ExpectHandle:
+class ExpectHandle(TransferHandleBase[int]):
     """One expected incoming transfer.  Awaitable (returns the byte count);
     ``token`` goes to the sender; ``progress`` is 0.0-1.0."""
 
+    _what = "complete"
+    _cancel_reason = "cancelled by the receiver"
+
     def __init__(self, request_id: str, sink: Sink, token: bytes, on_cancel: Callable[[str], None]):
-        self.request_id = request_id
+        super().__init__(request_id, sink.nbytes, on_cancel)
         self.sink = sink
         self.token = token
-        self.total_bytes = sink.nbytes
         self.received_bytes = 0
         self.stats: dict[str, Any] = {"chunks": 0, "duplicates": 0, "bad_chunks": 0}
-        self._fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._on_cancel = on_cancel
-        self._t0 = time.perf_counter()
 
-    @property
-    def progress(self) -> float:
-        return 1.0 if self.total_bytes == 0 else self.received_bytes / self.total_bytes
+    def _moved_bytes(self) -> int:
+        return self.received_bytes
 
-    def done(self) -> bool:
-        return self._fut.done()
-
-    def cancel(self, reason: str = "cancelled by the receiver") -> None:
-        """Stop accepting data, tell the sender (ABORT), release the sink."""
-        if not self._fut.done():
-            self._on_cancel(reason)
-
-    async def wait(self, timeout: float | None = None) -> int:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._fut), timeout)
-        except TimeoutError:
-            raise TransferTimeout(
-                f"transfer {self.request_id!r} not complete after {timeout} s"
-            ) from None
-
-    def __await__(self) -> Generator[Any, None, int]:
-        return asyncio.shield(self._fut).__await__()
-
-    def _resolve(self, exc: BaseException | None) -> None:
-        if self._fut.done():
-            return
-        self.stats["seconds"] = time.perf_counter() - self._t0
-        if exc is None:
-            self._fut.set_result(self.total_bytes)
-        else:
-            self._fut.set_exception(exc)
-            self._fut.exception()  # mark retrieved: the owner may never await a failed handle
+    def _result(self, seconds: float) -> int:
+        self.stats["seconds"] = seconds
+        return self.total_bytes
 
 
 class _RxTransfer:

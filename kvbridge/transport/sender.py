@@ -60,6 +60,7 @@ from ..wire.grid import ChunkGrid
 from ..wire.handshake import ClientHandshake
 from .compress import CompressionDecision, CompressionPolicy
 from .conn import FrameConnection, connect
+from .handle import TransferHandleBase
 from .kvio import Source
 from .receiver import _abort_error
 from .scheduler import ChunkScheduler
@@ -89,50 +90,24 @@ class SendStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-class SendHandle:
+class SendHandle(TransferHandleBase[SendStats]):
     """One outgoing transfer.  Awaitable (returns :class:`SendStats` once the
     receiver confirmed every byte); ``progress`` is the acknowledged fraction."""
 
+    _what = "confirmed"
+    _cancel_reason = "cancelled by the sender"
+
     def __init__(self, request_id: str, total: int, on_cancel: Callable[[str], None]) -> None:
-        self.request_id = request_id
-        self.total_bytes = total
+        super().__init__(request_id, total, on_cancel)
         self.acked_bytes = 0
         self.stats = SendStats(bytes=total)
-        self._fut: asyncio.Future[SendStats] = asyncio.get_running_loop().create_future()
-        self._on_cancel = on_cancel
-        self._t0 = time.perf_counter()
 
-    @property
-    def progress(self) -> float:
-        return 1.0 if self.total_bytes == 0 else self.acked_bytes / self.total_bytes
+    def _moved_bytes(self) -> int:
+        return self.acked_bytes
 
-    def done(self) -> bool:
-        return self._fut.done()
-
-    def cancel(self, reason: str = "cancelled by the sender") -> None:
-        if not self._fut.done():
-            self._on_cancel(reason)
-
-    async def wait(self, timeout: float | None = None) -> SendStats:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._fut), timeout)
-        except TimeoutError:
-            raise TransferTimeout(
-                f"transfer {self.request_id!r} not confirmed after {timeout} s"
-            ) from None
-
-    def __await__(self) -> Generator[Any, None, SendStats]:
-        return asyncio.shield(self._fut).__await__()
-
-    def _resolve(self, exc: BaseException | None) -> None:
-        if self._fut.done():
-            return
-        self.stats.seconds = time.perf_counter() - self._t0
-        if exc is None:
-            self._fut.set_result(self.stats)
-        else:
-            self._fut.set_exception(exc)
-            self._fut.exception()
+    def _result(self, seconds: float) -> SendStats:
+        self.stats.seconds = seconds
+        return self.stats
 
 
 class _TxTransfer:
