@@ -18,12 +18,16 @@ from kvbridge.transport.tcp import run
 async def main() -> None:
     # 1. each engine describes its own paged cache and hands kvbridge its tensors
     p_layout = KVLayout.for_model("llama-3-8b", page_tokens=16)
-    d_layout = KVLayout.for_model("llama-3-8b", page_tokens=64, order="flashinfer", head_order="HND")
+    d_layout = KVLayout.for_model(
+        "llama-3-8b", page_tokens=64, order="flashinfer", head_order="HND"
+    )
     p_cache = PagedKVCache.allocate(p_layout, 32, fill="random", seed=0)  # numpy or torch tensors
     d_cache = PagedKVCache.allocate(d_layout, 8)
 
     # 2. the main decode listens; the prefill connects (TCP across the WAN)
-    decode = await DecodeBridge(d_cache, identity="main-decode", tcp_listen=("127.0.0.1", 0)).start()
+    decode = await DecodeBridge(
+        d_cache, identity="main-decode", tcp_listen=("127.0.0.1", 0)
+    ).start()
     prefill = PrefillBridge(p_cache, identity="prefill")
     await prefill.connect("md", PeerConfig("tcp", *decode.tcp_address, streams=4))
 

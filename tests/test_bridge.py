@@ -27,7 +27,7 @@ from kvbridge.errors import (
 from kvbridge.layout import KVLayout
 
 pytest.importorskip("kvbridge._core")
-from kvbridge import pack  # noqa: E402
+from kvbridge import pack
 
 P = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="bf16", page_tokens=16)
 MD = P.replace(page_tokens=64, order="page_first", head_order="HND")
@@ -39,15 +39,30 @@ def _table(n_pages: int, layout: KVLayout, end: int, seed: int) -> np.ndarray:
     return rng.permutation(n_pages)[: layout.pages_for(end)].astype(np.int32)
 
 
-def _same(a: pack.PagedKVCache, at: np.ndarray, b: pack.PagedKVCache, bt: np.ndarray, s: int, e: int,
-          layers: tuple[int, int] | None = None) -> bool:
+def _same(
+    a: pack.PagedKVCache,
+    at: np.ndarray,
+    b: pack.PagedKVCache,
+    bt: np.ndarray,
+    s: int,
+    e: int,
+    layers: tuple[int, int] | None = None,
+) -> bool:
     x = pack.pack(a, at, s, e, layers=layers)
     y = pack.pack(b, bt, s, e, layers=layers)
     return bytes(np.asarray(x)) == bytes(np.asarray(y))
 
 
-async def _pair(**md_kw: object) -> tuple[PrefillBridge, DecodeBridge, DecodeBridge, pack.PagedKVCache,
-                                          pack.PagedKVCache, pack.PagedKVCache]:
+async def _pair(
+    **md_kw: object,
+) -> tuple[
+    PrefillBridge,
+    DecodeBridge,
+    DecodeBridge,
+    pack.PagedKVCache,
+    pack.PagedKVCache,
+    pack.PagedKVCache,
+]:
     src = pack.PagedKVCache.allocate(P, 96, fill="random", seed=1)
     md_cache = pack.PagedKVCache.allocate(MD, 24)
     rld_cache = pack.PagedKVCache.allocate(RLD, 48)
@@ -260,8 +275,15 @@ def test_decode_killed_mid_transfer_gives_a_typed_error_in_time() -> None:
             pre = PrefillBridge(src)
             await pre.connect(
                 "md",
-                PeerConfig("tcp", *addr, streams=2, chunk_size=16 << 10, keepalive_interval=0.5,
-                           keepalive_timeout=2.0, reconnect_timeout=2.0),
+                PeerConfig(
+                    "tcp",
+                    *addr,
+                    streams=2,
+                    chunk_size=16 << 10,
+                    keepalive_interval=0.5,
+                    keepalive_timeout=2.0,
+                    reconnect_timeout=2.0,
+                ),
             )
             lw = pre.send_layerwise(1, list(range(250)), {"md": ticket}, timeout=30)
             lw.layers_ready(1)  # some data flows, then the receiver dies

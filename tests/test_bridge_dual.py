@@ -19,7 +19,7 @@ from kvbridge.transport.emulator import ProxyEmulator
 pytest.importorskip("kvbridge._core")
 if not ucx.available():
     pytest.skip(f"UCX unavailable: {ucx.unavailable_reason()}", allow_module_level=True)
-from kvbridge import pack  # noqa: E402
+from kvbridge import pack
 
 P = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
 MD = P.replace(page_tokens=64, order="page_first", head_order="HND")

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("kvbridge._core")
 
-from kvbridge.cli.demo import _ucx_ok  # noqa: E402
-from kvbridge.demo.config import DemoConfig  # noqa: E402
-from kvbridge.demo.driver import run_demo  # noqa: E402
-from kvbridge.transport.tcp import run  # noqa: E402
+from kvbridge.cli.demo import _ucx_ok
+from kvbridge.demo.config import DemoConfig
+from kvbridge.demo.driver import run_demo
+from kvbridge.transport.tcp import run
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from kvbridge.cache.radix import RadixCache
 from kvbridge.layout import KVLayout
 
 pytest.importorskip("kvbridge._core")
-from kvbridge import pack  # noqa: E402
+from kvbridge import pack
 
 P = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
 MD = P.replace(page_tokens=32, head_order="HND")
@@ -62,8 +62,13 @@ class MainDecode:
             )
             self.leases[q.request_id] = (lease, exp)
             reply = PrefixReply(
-                reply.request_id, reply.status, reply.page_tokens, reply.lease_id,
-                reply.matched_tokens, reply.lease_ms, transfer_token=exp.ticket,
+                reply.request_id,
+                reply.status,
+                reply.page_tokens,
+                reply.lease_id,
+                reply.matched_tokens,
+                reply.lease_ms,
+                transfer_token=exp.ticket,
             )
         conn.send_control(*encode_prefix_message(reply))
 

@@ -169,7 +169,9 @@ class DecodeBridge:
                 st.bytes = int(getattr(res, "bytes", 0))
                 st.path = "ucx-" + str(getattr(res, "path", "") or "put")
 
-            exp = Expectation(stats, uh.wait(), lambda: 1.0 if uh.done() else 0.0, uh.cancel, finish_ucx)
+            exp = Expectation(
+                stats, uh.wait(), lambda: 1.0 if uh.done() else 0.0, uh.cancel, finish_ucx
+            )
         else:
             raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
         exp.ticket = ticket.encode()

@@ -156,7 +156,9 @@ class PrefillBridge:
         out = {n: self._ticket(n, raw) for n, raw in tickets.items()}
         for name, t in out.items():
             if t.request_id != rid:
-                raise InvalidArgument(f"{name}: ticket is for request {t.request_id!r}, not {rid!r}")
+                raise InvalidArgument(
+                    f"{name}: ticket is for request {t.request_id!r}, not {rid!r}"
+                )
         return out
 
     def send(
@@ -174,7 +176,9 @@ class PrefillBridge:
         out: dict[str, Delivery] = {}
         for name, t in self._checked(rid, tickets).items():
             if name in self._tcp:
-                src = KVSource(self.cache, block_table, t.start, t.end, (t.layer_start, t.layer_end))
+                src = KVSource(
+                    self.cache, block_table, t.start, t.end, (t.layer_start, t.layer_end)
+                )
                 out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
             else:
                 out[name] = self._ucx_delivery(name, rid, block_table, t, None, timeout)
@@ -265,7 +269,9 @@ class LayerwiseSend:
         self.tickets = tickets
         self.timeout = timeout
         self._sources: dict[str, LayerwiseSource] = {}
-        self._ucx_parts: dict[str, list[Delivery]] = {n: [] for n in tickets if n not in bridge._tcp}
+        self._ucx_parts: dict[str, list[Delivery]] = {
+            n: [] for n in tickets if n not in bridge._tcp
+        }
         self._ucx_sent: dict[str, int] = {n: tickets[n].layer_start for n in self._ucx_parts}
         self._tcp: dict[str, Delivery] = {}
         for name, t in tickets.items():
@@ -284,9 +290,7 @@ class LayerwiseSend:
     def layers_ready(self, layer_end: int) -> None:
         """Layers below ``layer_end`` are computed: let them leave."""
         if not 0 <= layer_end <= self.bridge.layout.num_layers:
-            raise InvalidArgument(
-                f"layer {layer_end} outside [0, {self.bridge.layout.num_layers}]"
-            )
+            raise InvalidArgument(f"layer {layer_end} outside [0, {self.bridge.layout.num_layers}]")
         for src in self._sources.values():
             src.mark_ready(min(max(layer_end, src.layers[0]), src.layers[1]))
         for name, parts in self._ucx_parts.items():

@@ -141,7 +141,9 @@ async def relay_side(host: str, port: int, tokens: bytes, runs: int, warmup: int
     }
 
 
-def measure(rate_bps: float, rtt_ms: float, loss: float, runs: int, warmup: int = 2) -> dict[str, Any]:
+def measure(
+    rate_bps: float, rtt_ms: float, loss: float, runs: int, warmup: int = 2
+) -> dict[str, Any]:
     """Start the emulator and both sides; returns the relay's figures."""
     from ..transport.emulator import WanEmulator
 

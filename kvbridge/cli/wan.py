@@ -24,7 +24,9 @@ DEFAULT_POINTS = "1gbit:40ms:0,1gbit:40ms:0.1%,2gbit:10ms:0"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--points", default=DEFAULT_POINTS, help="RATE:RTT:LOSS,... (e.g. 1gbit:40ms:0.1%%)")
+    p.add_argument(
+        "--points", default=DEFAULT_POINTS, help="RATE:RTT:LOSS,... (e.g. 1gbit:40ms:0.1%%)"
+    )
     p.add_argument("--bytes-mib", type=int, default=96, help="bytes per run")
     p.add_argument("--streams", default="1,2,4,8", help="stream counts to sweep (default chunk)")
     p.add_argument("--chunks-kib", default="256,1024,4096,8192", help="chunk sizes (4 streams)")
@@ -52,7 +54,12 @@ def _rows(args: argparse.Namespace) -> list[tuple[int, int, str]]:
 
 
 def measure_point(
-    rate_bps: float, rtt_ms: float, loss: float, rows: list[tuple[int, int, str]], mib: int, bar: Any
+    rate_bps: float,
+    rtt_ms: float,
+    loss: float,
+    rows: list[tuple[int, int, str]],
+    mib: int,
+    bar: Any,
 ) -> list[dict[str, Any]]:
     from ..transport.emulator import WanEmulator
 

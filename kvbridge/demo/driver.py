@@ -34,7 +34,7 @@ from .control import ControlClient
 from .report import PipelineSummary, RequestRecord, format_table, summarize, write_outputs
 from .roles import params_to
 
-__all__ = ["DemoResult", "DemoRequest", "build_requests", "reference_streams", "run_demo"]
+__all__ = ["DemoRequest", "DemoResult", "build_requests", "reference_streams", "run_demo"]
 
 PIPELINE_TITLES = {
     "baseline": "1. cross-DC baseline (all KV)",
@@ -121,7 +121,9 @@ def prefill_side_hit(reqs: list[DemoRequest]) -> float:
     return hit / max(1, sum(len(r.prompt) for r in reqs))
 
 
-def reference_streams(cfg: DemoConfig, reqs: list[DemoRequest], progress: bool) -> dict[int, list[int]]:
+def reference_streams(
+    cfg: DemoConfig, reqs: list[DemoRequest], progress: bool
+) -> dict[int, list[int]]:
     """What one decoder decoding each request alone outputs."""
     import torch
 
@@ -307,9 +309,7 @@ async def run_demo(
             hosts = {"p": emu.addr("a"), "rld": "127.0.0.1", "md": emu.addr("b")}
             sides = {"p": "a", "rld": "a", "md": "b"}
             for r in ("md", "rld", "p"):
-                procs.append(
-                    emu.popen(sides[r], [*argv, r, cfg_path, socks[r], hosts[r]], env=env)
-                )
+                procs.append(emu.popen(sides[r], [*argv, r, cfg_path, socks[r], hosts[r]], env=env))
         else:
             for r in ("md", "rld", "p"):
                 procs.append(subprocess.Popen([*argv, r, cfg_path, socks[r], "127.0.0.1"], env=env))

@@ -109,7 +109,8 @@ def summarize(name: str, records: list[RequestRecord], wall_s: float) -> Pipelin
         output_tokens=sum(len(r.tokens) for r in records),
         relay_tokens=sum(r.relay_tokens for r in records),
         decisions=dict(Counter(r.pipeline for r in records)),
-        md_hit=sum(r.matched_tokens for r in records) / max(1, sum(r.input_tokens for r in records)),
+        md_hit=sum(r.matched_tokens for r in records)
+        / max(1, sum(r.input_tokens for r in records)),
         wall_s=wall_s,
         ttfts=[t for t in ttfts if math.isfinite(t)],
     )

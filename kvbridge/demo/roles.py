@@ -445,7 +445,9 @@ class Prefill(_Role):
         )
         self.bridge.tcp_sender("md").on_control(PREFIX_REPLY, self._on_reply)
         if cfg.rld_transport == "ucx":
-            await self.bridge.connect("rld", PeerConfig("ucx", metadata=bytes.fromhex(msg["rld_ucx"])))
+            await self.bridge.connect(
+                "rld", PeerConfig("ucx", metadata=bytes.fromhex(msg["rld_ucx"]))
+            )
         else:
             await self.bridge.connect(
                 "rld", PeerConfig("tcp", msg["rld_host"], int(msg["rld_port"]), compression="off")

@@ -222,9 +222,7 @@ class ReferenceDecoder:
             raise InvalidArgument(f"request {request_id} is not empty")
         self._check_tokens(token_ids)
         if len(block_table) < self.layout.pages_for(len(token_ids)):
-            raise InvalidArgument(
-                f"{len(block_table)} pages cannot hold {len(token_ids)} tokens"
-            )
+            raise InvalidArgument(f"{len(block_table)} pages cannot hold {len(token_ids)} tokens")
         req.block_table.extend(int(p) for p in block_table)
         req.external = len(req.block_table)
         req.tokens.extend(int(t) for t in token_ids)

@@ -17,8 +17,7 @@ import itertools
 import logging
 import os
 import ssl as _ssl
-import time
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any

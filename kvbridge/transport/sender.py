@@ -20,7 +20,7 @@ import logging
 import os
 import ssl as _ssl
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
