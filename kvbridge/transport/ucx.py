@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ def _load() -> Any:
     except ImportError:
         pass  # a system UCX found through the module's RPATH / ld.so
     try:
-        from .. import _ucx as mod
+        mod = importlib.import_module("kvbridge._ucx")
     except ImportError as e:
         _reason = f"kvbridge._ucx is not built or cannot load ({e}); build with UCX headers present"
         return None
@@ -117,7 +119,7 @@ def _status_error(status: int, what: str) -> KVBridgeError:
 
 
 def _map_ucs(exc: BaseException, what: str) -> KVBridgeError:
-    args = getattr(exc, "args", ())
+    args: tuple[Any, ...] = tuple(getattr(exc, "args", ()))
     if len(args) == 2 and isinstance(args[0], int):
         return _status_error(args[0], f"{what}: {args[1]}")
     return KVBridgeError(f"{what}: {exc}")
@@ -244,9 +246,7 @@ class UcxPeer:
         h.stats.path = "staging"
         h.stats.bytes = lay.wire_nbytes(end - start, (l0, l1))
         self._sends[id(h)] = h
-        task = a._loop_now().create_task(
-            a._staged_send(self, h, block_table, start, end, l0, l1)
-        )
+        task = a._loop_now().create_task(a._staged_send(self, h, block_table, start, end, l0, l1))
         h._task = task  # type: ignore[attr-defined]
         a._tasks.add(task)
         task.add_done_callback(a._tasks.discard)
@@ -264,7 +264,9 @@ class UcxPeer:
     ) -> TransferHandle:
         """Expect ``request_id`` from this peer (fails with PeerGone if it dies)."""
         self._check()
-        return self.agent.expect(request_id, block_table, start, end, layers, timeout=timeout, peer=self)
+        return self.agent.expect(
+            request_id, block_table, start, end, layers, timeout=timeout, peer=self
+        )
 
     def _fail_all(self, exc: KVBridgeError) -> None:
         if self.error is None:
@@ -344,7 +346,13 @@ class UcxAgent:
                 rid = self._engine.register_region(addr, nbytes)
                 ids.append(rid)
                 regions.append(
-                    RegionInfo(RegionKind.CACHE, 0 if layout.stacked else layer, addr, nbytes, self._engine.rkey(rid))
+                    RegionInfo(
+                        RegionKind.CACHE,
+                        0 if layout.stacked else layer,
+                        addr,
+                        nbytes,
+                        self._engine.rkey(rid),
+                    )
                 )
             self._staging: np.ndarray | None = None
             self._staging_region = 0
@@ -353,14 +361,25 @@ class UcxAgent:
                 addr = self._staging.ctypes.data
                 self._staging_region = self._engine.register_region(addr, self._staging.nbytes)
                 regions.append(
-                    RegionInfo(RegionKind.STAGING, 0, addr, self._staging.nbytes, self._engine.rkey(self._staging_region))
+                    RegionInfo(
+                        RegionKind.STAGING,
+                        0,
+                        addr,
+                        self._staging.nbytes,
+                        self._engine.rkey(self._staging_region),
+                    )
                 )
         except Exception as e:
             self._engine.close()
             raise _map_ucs(e, "UCX memory registration") from None
         self._cache_region_ids = np.array(ids, dtype=np.int64)
         self._md = AgentMetadata(
-            self.agent_id, self.epoch, layout, self.num_pages, self._engine.address(), tuple(regions)
+            self.agent_id,
+            self.epoch,
+            layout,
+            self.num_pages,
+            self._engine.address(),
+            tuple(regions),
         )
         self._blob = encode_metadata(self._md)
         nslots = max(1, int(staging_slots)) if staging_bytes > 0 else 0
@@ -519,7 +538,9 @@ class UcxAgent:
             reply = await asyncio.wait_for(asyncio.shield(fut), t)
         except TimeoutError:
             self._forget_peer(peer)
-            raise ConnectTimeout(f"UCX peer {peer.name[:8]} did not answer within {t} s (stale metadata?)") from None
+            raise ConnectTimeout(
+                f"UCX peer {peer.name[:8]} did not answer within {t} s (stale metadata?)"
+            ) from None
         except KVBridgeError:
             self._forget_peer(peer)
             raise
@@ -548,13 +569,18 @@ class UcxAgent:
         if not self._closed:
             self._engine.disconnect(peer.ep)
 
+    def _forget_after(self, peer: UcxPeer, _fut: object) -> None:
+        self._forget_peer(peer)
+
     def _on_hello(self, m: Message) -> None:
         try:
             md = decode_metadata(m.blob)
             if md.agent_id != m.sender:
                 raise RemoteProtocolError("hello sender does not match its metadata")
             if m.code != self.epoch:
-                raise IncompatiblePeer("stale metadata: it names an earlier incarnation of this agent")
+                raise IncompatiblePeer(
+                    "stale metadata: it names an earlier incarnation of this agent"
+                )
             same = check_layouts(self.layout, md.layout)
         except KVBridgeError as e:
             with contextlib.suppress(Exception):
@@ -562,7 +588,7 @@ class UcxAgent:
                 tmp = self._make_peer(md2, False)
                 fut = self._send_msg(tmp, Message(Kind.HELLO_NACK, self.agent_id, text=str(e)))
                 if fut is not None:
-                    fut.add_done_callback(lambda _f, p=tmp: self._forget_peer(p))
+                    fut.add_done_callback(functools.partial(self._forget_after, tmp))
             return
         old = self._peers.get(md.agent_id)
         if old is not None and old.error is None and old.metadata.epoch == md.epoch:
@@ -660,7 +686,9 @@ class UcxAgent:
             self._drop_expect(ex)
 
     def _reject(self, peer: UcxPeer, rid: str, text: str) -> None:
-        self._send_msg(peer, Message(Kind.ABORT, self.agent_id, rid, code=ABORT_PROTOCOL, text=text))
+        self._send_msg(
+            peer, Message(Kind.ABORT, self.agent_id, rid, code=ABORT_PROTOCOL, text=text)
+        )
 
     # ---- dispatch ---------------------------------------------------------------------------
     def _dispatch(self, m: Message) -> None:
@@ -727,7 +755,9 @@ class UcxAgent:
             peer = ex.peer
         if peer is not None:
             peer._sends.pop(id(h), None)
-            self._send_msg(peer, Message(Kind.ABORT, self.agent_id, h.request_id, code=code, text=str(exc)))
+            self._send_msg(
+                peer, Message(Kind.ABORT, self.agent_id, h.request_id, code=code, text=str(exc))
+            )
 
     # ---- staging path -----------------------------------------------------------------------
     def _pack_module(self) -> Any:
@@ -735,7 +765,7 @@ class UcxAgent:
         if given, else :mod:`kvbridge.pack` (None when neither exists)."""
         if self._packer is None:
             try:
-                from .. import pack as mod
+                mod = importlib.import_module("kvbridge.pack")
             except ImportError:
                 return None
             self._packer = mod
@@ -746,7 +776,9 @@ class UcxAgent:
 
     def _require_pack(self) -> None:
         if not self._pack_available():
-            raise Unavailable("the staging path needs kvbridge.pack (the pack core), which is not built")
+            raise Unavailable(
+                "the staging path needs kvbridge.pack (the pack core), which is not built"
+            )
 
     def _paged_cache(self) -> Any:
         mod = self._pack_module()
@@ -776,7 +808,9 @@ class UcxAgent:
         slot = await self._slot()
         try:
             total = h.stats.bytes
-            req = Message(Kind.STAGE_REQ, self.agent_id, h.request_id, start, end, l0, l1, total, part)
+            req = Message(
+                Kind.STAGE_REQ, self.agent_id, h.request_id, start, end, l0, l1, total, part
+            )
             self._send_msg(peer, req)
             cache = self._paged_cache()
             done = 0
@@ -791,11 +825,18 @@ class UcxAgent:
                 pack(cache, bt, start, end, layers=(l0, l1), out=out, offset=done, nbytes=n)
                 last = done + n >= total
                 chunk = Message(
-                    Kind.STAGE_CHUNK, self.agent_id, h.request_id, part=part, offset=done, length=n,
-                    slot=ready.slot, code=int(last),
+                    Kind.STAGE_CHUNK,
+                    self.agent_id,
+                    h.request_id,
+                    part=part,
+                    offset=done,
+                    length=n,
+                    slot=ready.slot,
+                    code=int(last),
                 )
                 runs = np.array(
-                    [[self._staging_region, slot, peer._staging_index, ready.slot, n]], dtype=np.uint64
+                    [[self._staging_region, slot, peer._staging_index, ready.slot, n]],
+                    dtype=np.uint64,
                 )
                 op = self._engine.put(peer.ep, runs, encode_message(chunk))
                 await self._wait_op(op, self.timeout)
@@ -834,20 +875,39 @@ class UcxAgent:
             got = 0
             while not h.done():
                 ready = Message(
-                    Kind.STAGE_READY, self.agent_id, req.rid, part=req.part, slot=slot, length=self._slot_bytes
+                    Kind.STAGE_READY,
+                    self.agent_id,
+                    req.rid,
+                    part=req.part,
+                    slot=slot,
+                    length=self._slot_bytes,
                 )
                 self._send_msg(peer, ready)
                 chunk = await q.get()
-                if chunk.kind is not Kind.STAGE_CHUNK or chunk.offset != got or chunk.length > self._slot_bytes:
+                if (
+                    chunk.kind is not Kind.STAGE_CHUNK
+                    or chunk.offset != got
+                    or chunk.length > self._slot_bytes
+                ):
                     raise RemoteProtocolError("staging chunk out of order or too large")
                 src = self._staging[slot : slot + chunk.length]
-                unpack(cache, ex.block_table, req.start, req.end, src, layers=(req.l0, req.l1), offset=chunk.offset)
+                unpack(
+                    cache,
+                    ex.block_table,
+                    req.start,
+                    req.end,
+                    src,
+                    layers=(req.l0, req.l1),
+                    offset=chunk.offset,
+                )
                 got += chunk.length
                 h.stats.chunks += 1
                 h.stats.bytes += chunk.length
                 if chunk.code:
                     if got != expected:
-                        raise RemoteProtocolError(f"staged part ended after {got} of {expected} bytes")
+                        raise RemoteProtocolError(
+                            f"staged part ended after {got} of {expected} bytes"
+                        )
                     self._landed(ex, req.l0, req.l1)
                     return
         except asyncio.CancelledError:
@@ -897,4 +957,3 @@ class UcxAgent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-

@@ -91,7 +91,9 @@ class TransferHandle:
         return True
 
     def _expire(self, timeout: float) -> None:
-        exc = TransferTimeout(f"{self.stats.direction} {self.request_id!r}: deadline of {timeout} s passed")
+        exc = TransferTimeout(
+            f"{self.stats.direction} {self.request_id!r}: deadline of {timeout} s passed"
+        )
         if self._fail(exc):
             self._on_abort(self, exc)
 
