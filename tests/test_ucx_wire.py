@@ -175,3 +175,41 @@ def test_runs_reject_bad_tables() -> None:
             range(4),
             range(4),
         )
+
+
+def test_unavailable_is_reported_with_reason() -> None:
+    """Where kvbridge._ucx cannot be imported, UCX is reported unavailable."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvbridge._ucx":
+            raise ImportError("UCX headers were absent at build time")
+        return None
+sys.meta_path.insert(0, Block())
+from kvbridge.errors import Unavailable
+from kvbridge.layout import KVLayout
+from kvbridge.transport import ucx
+assert not ucx.available()
+assert "UCX headers were absent" in ucx.unavailable_reason(), ucx.unavailable_reason()
+try:
+    ucx.UcxAgent(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), [])
+except Unavailable as e:
+    assert "unavailable" in str(e)
+else:
+    raise AssertionError("no Unavailable")
+print("ok")
+"""
+    import os
+
+    import kvbridge
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvbridge.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.stdout.strip() == "ok", out.stderr

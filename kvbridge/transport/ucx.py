@@ -203,7 +203,7 @@ class UcxPeer:
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         h = TransferHandle(a._loop_now(), str(request_id), "send", timeout or a.timeout, a._abort)
-        h._peer = self  # type: ignore[attr-defined]
+        h._peer = self
         runs = None
         if self.same_layout and path != "staging":
             runs = put_runs(
@@ -233,8 +233,9 @@ class UcxPeer:
             try:
                 op = a._engine.put(self.ep, np.ascontiguousarray(runs), notify)
             except Exception as e:
-                h._fail(_map_ucs(e, "UCX put"))
-                raise h.exception() from e  # type: ignore[misc]
+                err = _map_ucs(e, "UCX put")
+                h._fail(err)
+                raise err from e
             a._ops[op] = (h, None)
             self._sends[id(h)] = h
             a._kick()
@@ -247,7 +248,7 @@ class UcxPeer:
         h.stats.bytes = lay.wire_nbytes(end - start, (l0, l1))
         self._sends[id(h)] = h
         task = a._loop_now().create_task(a._staged_send(self, h, block_table, start, end, l0, l1))
-        h._task = task  # type: ignore[attr-defined]
+        h._task = task
         a._tasks.add(task)
         task.add_done_callback(a._tasks.discard)
         return h
@@ -273,7 +274,7 @@ class UcxPeer:
             self.error = exc
         for h in list(self._sends.values()):
             h._fail(exc)
-            task = getattr(h, "_task", None)
+            task = h._task
             if task is not None:
                 task.cancel()
         self._sends.clear()
@@ -472,7 +473,7 @@ class UcxAgent:
                 continue
             h, fut = entry
             if h is not None:
-                peer = getattr(h, "_peer", None)
+                peer = h._peer
                 if peer is not None:
                     peer._sends.pop(id(h), None)
                 if status == 0:
@@ -630,7 +631,7 @@ class UcxAgent:
         page_pieces(self.geometry, bt, start, end, (l0, l1))
         h = TransferHandle(loop, rid, "recv", timeout or self.timeout, self._abort)
         ex = _Expect(h, bt, start, end, l0, l1, peer, np.zeros(l1 - l0, dtype=bool))
-        h._expect = ex  # type: ignore[attr-defined]
+        h._expect = ex
         self._expects[rid] = ex
         if l0 == l1 or start == end:
             h._finish()
@@ -733,7 +734,7 @@ class UcxAgent:
                 if h.request_id == m.rid:
                     h._fail(exc)
                     peer._sends.pop(id(h), None)
-                    task = getattr(h, "_task", None)
+                    task = h._task
                     if task is not None:
                         task.cancel()
             ex = self._expects.get(m.rid)
@@ -745,11 +746,11 @@ class UcxAgent:
     def _abort(self, h: TransferHandle, exc: KVBridgeError) -> None:
         """A handle was cancelled or timed out locally: tell the peer."""
         code = ABORT_TIMEOUT if isinstance(exc, TransferTimeout) else ABORT_CANCELLED
-        task = getattr(h, "_task", None)
+        task = h._task
         if task is not None:
             task.cancel()
-        peer: UcxPeer | None = getattr(h, "_peer", None)
-        ex: _Expect | None = getattr(h, "_expect", None)
+        peer: UcxPeer | None = h._peer
+        ex: _Expect | None = h._expect
         if ex is not None:
             self._drop_expect(ex)
             peer = ex.peer

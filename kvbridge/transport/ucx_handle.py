@@ -54,6 +54,10 @@ class TransferHandle:
         self._future: asyncio.Future[TransferStats] = loop.create_future()
         self._on_abort = on_abort
         self._timer = loop.call_later(timeout, self._expire, timeout)
+        # set by the agent: the peer, the staging task, the receiver's state
+        self._peer: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._expect: Any = None
 
     # -- state --------------------------------------------------------------
     def done(self) -> bool:
