@@ -162,6 +162,8 @@ def run_one(
             return {"error": res[1]}
         rconn.send(("digest",))
         dig = _get(rconn, timeout, recv)
+        if dig[0] != "digest":
+            return {"error": dig[1]}
         times = res[1][1:]  # drop the warm-up
         med = statistics.median(times)
         return {"seconds": med, "gbps": scen.nbytes / med / 1e9, "ok": dig[1] == res[2]}

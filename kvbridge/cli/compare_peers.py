@@ -157,11 +157,18 @@ def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
     async def main() -> None:
         buf = np.zeros(scen.nbytes, dtype=np.uint8)
         done = asyncio.Event()
+        errors: list[str] = []
 
         async def serve(ep: Any) -> None:
-            for _ in range(iters + 1):
-                await ep.recv(buf)
-            done.set()  # the endpoint is left to process exit: closing both ends races
+            try:
+                for _ in range(iters + 1):
+                    await ep.recv(buf)
+                # the sender exits after this ack, not before the last bytes landed
+                await ep.send(np.ones(1, dtype=np.uint8))
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                done.set()
 
         listener = ucxx.create_listener(serve)
         conn.send(("ready", listener.port))
@@ -169,7 +176,10 @@ def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
         listener.close()
         msg = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         assert msg[0] == "digest"
-        conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
+        if errors:
+            conn.send(("error", errors[0]))
+        else:
+            conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
 
     asyncio.run(main())
 
@@ -188,6 +198,7 @@ def _ucxx_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list
             t = time.perf_counter()
             await ep.send(flat)
             times.append(time.perf_counter() - t)
+        await ep.recv(np.empty(1, dtype=np.uint8))
         return times
 
     return asyncio.run(main())
