@@ -294,6 +294,18 @@ class UcxPeer:
         a._forget_peer(self)
 
 
+_NP_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "uint16"}
+
+
+def _typed(layout: KVLayout, t: Any) -> Any:
+    """A view of a cache tensor with the element type the pack core checks
+    (the agent itself accepts any array of the right item size)."""
+    if isinstance(t, np.ndarray):
+        want = np.dtype(_NP_DTYPES.get(layout.dtype.value, "uint8"))
+        return t if t.dtype == want else t.view(want)
+    return t
+
+
 class UcxAgent:
     """One engine's UCX endpoint: a worker, its registered cache and staging
     buffer, and its peers.  Use from one asyncio loop."""
@@ -786,7 +798,8 @@ class UcxAgent:
         if isinstance(self.cache, mod.PagedKVCache):
             return self.cache
         if getattr(self, "_pkv", None) is None:
-            self._pkv = mod.PagedKVCache(self.layout, self._tensors)
+            typed = [_typed(self.layout, t) for t in self._tensors]
+            self._pkv = mod.PagedKVCache(self.layout, typed[0] if self.layout.stacked else typed)
         return self._pkv
 
     async def _slot(self) -> int:
