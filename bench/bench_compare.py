@@ -21,7 +21,20 @@ from kvbridge.cli import compare
 def _small_args(libs: str) -> Any:
     p = argparse.ArgumentParser()
     compare.add_arguments(p)
-    return p.parse_args(["--libs", libs, "--scenarios", "pages", "--pages", "256", "--iters", "2", "--timeout", "120"])
+    return p.parse_args(
+        [
+            "--libs",
+            libs,
+            "--scenarios",
+            "pages",
+            "--pages",
+            "256",
+            "--iters",
+            "2",
+            "--timeout",
+            "120",
+        ]
+    )
 
 
 @pytest.mark.ucx
@@ -32,7 +45,14 @@ def test_compare_small(benchmark: Any) -> None:
     args = _small_args("kvbridge,ucxx")
 
     def once() -> list[dict[str, Any]]:
-        return compare.compare(["kvbridge", "ucxx"], compare.scenarios(args), ["tcp", "shm"], args.iters, args.timeout, verbose=False)
+        return compare.compare(
+            ["kvbridge", "ucxx"],
+            compare.scenarios(args),
+            ["tcp", "shm"],
+            args.iters,
+            args.timeout,
+            verbose=False,
+        )
 
     rows = benchmark.pedantic(once, rounds=1, iterations=1)
     print("\n" + compare.format_table(rows))

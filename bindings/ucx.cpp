@@ -60,7 +60,8 @@ NB_MODULE(_ucx, m) {
 
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<const std::vector<std::pair<std::string, std::string>>&>(), nb::arg("config"))
-      .def("address", [](const Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
+      .def("address",
+           [](const Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def("event_fd", &Engine::event_fd)
       .def("progress", &Engine::progress, nb::call_guard<nb::gil_scoped_release>())
       .def("arm", &Engine::arm)
@@ -73,7 +74,8 @@ NB_MODULE(_ucx, m) {
       .def("deregister_region", &Engine::deregister_region)
       .def(
           "connect",
-          [](Engine& e, nb::bytes address, const std::vector<std::tuple<uint64_t, uint64_t, nb::bytes>>& regions,
+          [](Engine& e, nb::bytes address,
+             const std::vector<std::tuple<uint64_t, uint64_t, nb::bytes>>& regions,
              bool peer_errors) {
             std::vector<std::tuple<uintptr_t, size_t, std::string>> rs;
             for (const auto& [base, len, key] : regions)
@@ -100,8 +102,10 @@ NB_MODULE(_ucx, m) {
       .def("drain",
            [](Engine& e) {
              nb::list results, failures, messages;
-             for (const auto& r : e.take_results()) results.append(nb::make_tuple(r.op_id, r.status));
-             for (const auto& f : e.take_failures()) failures.append(nb::make_tuple(f.ep_id, f.status));
+             for (const auto& r : e.take_results())
+               results.append(nb::make_tuple(r.op_id, r.status));
+             for (const auto& f : e.take_failures())
+               failures.append(nb::make_tuple(f.ep_id, f.status));
              for (const auto& s : e.take_messages()) messages.append(nb::bytes(s.data(), s.size()));
              return nb::make_tuple(results, failures, messages);
            })

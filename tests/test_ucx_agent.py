@@ -124,7 +124,10 @@ def test_layerwise_send_and_early_parts() -> None:
 
 @pytest.mark.parametrize(
     "lb",
-    [SMALL.replace(page_tokens=16), SMALL.replace(order="page_first", head_order="HND", stacked=True)],
+    [
+        SMALL.replace(page_tokens=16),
+        SMALL.replace(order="page_first", head_order="HND", stacked=True),
+    ],
     ids=["page16", "pagefirst_hnd_stacked"],
 )
 def test_staging_path_between_different_layouts(lb: KVLayout) -> None:
@@ -255,7 +258,7 @@ def test_metadata_over_tcp_control_connection() -> None:
     from kvbridge.transport.ucx_control import connect_via_tcp, serve_metadata
 
     async def body() -> None:
-        a, b, _, src, dst = await pair(SMALL, SMALL)
+        a, b, _, src, _ = await pair(SMALL, SMALL)
         b2 = ucx.UcxAgent(SMALL, make_cache(SMALL, 16, None))
         server = await serve_metadata(b2, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]

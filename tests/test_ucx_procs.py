@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 import ucx_workers
-from ucx_cases import SMALL
 
 from kvbridge.layout import KVLayout
 from kvbridge.transport import ucx
@@ -34,7 +33,9 @@ class Proc:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         env = {"UCX_TLS": tls}
-        self.p = ctx.Process(target=ucx_workers.agent_main, args=(child, env, layout, pages, seed, mode))
+        self.p = ctx.Process(
+            target=ucx_workers.agent_main, args=(child, env, layout, pages, seed, mode)
+        )
         self.p.start()
         child.close()
         self.md = self.recv(30)[1]
@@ -101,7 +102,13 @@ def test_three_processes_put_and_staging(procs: list[Proc]) -> None:
     bt1, bt2 = np.arange(64), np.arange(31, -1, -1)
     r1.send("expect", "q", bt1, 0, 1000, None, 30.0)
     r2.send("expect", "q", bt2, 0, 1000, None, 30.0)
-    s.send("send", [(0, "q", sbt, bt1, 0, 1000, [(0, 2), (2, 4)]), (1, "q", sbt, bt2, 0, 1000, [(0, 2), (2, 4)])])
+    s.send(
+        "send",
+        [
+            (0, "q", sbt, bt1, 0, 1000, [(0, 2), (2, 4)]),
+            (1, "q", sbt, bt2, 0, 1000, [(0, 2), (2, 4)]),
+        ],
+    )
     assert [x[0] for x in s.recv(30)[1]] == ["ok"] * 4
     g1, g2 = r1.recv(30), r2.recv(30)
     assert (g1[1], g2[1]) == ("put", "staging")

@@ -31,7 +31,9 @@ from kvbridge.transport.ucx_runs import CacheGeometry, page_pieces, put_runs
 
 def _md(layout: KVLayout = SMALL) -> AgentMetadata:
     n = 1 if layout.stacked else layout.num_layers
-    regions = [RegionInfo(RegionKind.CACHE, i, 0x1000 * (i + 1), 4096, bytes([i]) * 40) for i in range(n)]
+    regions = [
+        RegionInfo(RegionKind.CACHE, i, 0x1000 * (i + 1), 4096, bytes([i]) * 40) for i in range(n)
+    ]
     regions.append(RegionInfo(RegionKind.STAGING, 0, 0x900000, 1 << 20, b"rk"))
     return AgentMetadata(b"A" * 16, 12345, layout, 64, b"\x01\x02worker", tuple(regions))
 
@@ -111,16 +113,27 @@ def _apply(runs: np.ndarray, src: list[np.ndarray], dst: list[np.ndarray]) -> No
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay.describe()[8:60])
-@pytest.mark.parametrize(("start", "end", "layers"), [(0, 64, None), (3, 45, None), (5, 6, (1, 3)), (0, 0, None)])
-def test_put_runs_move_exactly_the_range(layout: KVLayout, start: int, end: int, layers: object) -> None:
+@pytest.mark.parametrize(
+    ("start", "end", "layers"), [(0, 64, None), (3, 45, None), (5, 6, (1, 3)), (0, 0, None)]
+)
+def test_put_runs_move_exactly_the_range(
+    layout: KVLayout, start: int, end: int, layers: object
+) -> None:
     rng = np.random.default_rng(1)
     src, dst = make_cache(layout, 20, 3), make_cache(layout, 24, None)
     need = layout.pages_for(64)
     sbt, dbt = rng.permutation(20)[:need], rng.permutation(24)[:need]
     nreg = 1 if layout.stacked else layout.num_layers
     runs = put_runs(
-        CacheGeometry(layout, 20), sbt, CacheGeometry(layout, 24), dbt, start, end, layers,  # type: ignore[arg-type]
-        np.arange(nreg), np.arange(nreg),
+        CacheGeometry(layout, 20),
+        sbt,
+        CacheGeometry(layout, 24),
+        dbt,
+        start,
+        end,
+        layers,  # type: ignore[arg-type]
+        np.arange(nreg),
+        np.arange(nreg),
     )
     _apply(runs, src, dst)
     assert same_tokens(layout, src, sbt, layout, dst, dbt, start, end, layers)
@@ -135,7 +148,9 @@ def test_put_runs_move_exactly_the_range(layout: KVLayout, start: int, end: int,
 def test_consecutive_pages_coalesce(layout: KVLayout) -> None:
     g = CacheGeometry(layout, 64)
     nreg = 1 if layout.stacked else layout.num_layers
-    runs = put_runs(g, np.arange(10, 42), g, np.arange(20, 52), 0, 256, None, np.arange(nreg), np.arange(nreg))
+    runs = put_runs(
+        g, np.arange(10, 42), g, np.arange(20, 52), 0, 256, None, np.arange(nreg), np.arange(nreg)
+    )
     per_layer = 1 if layout.order.value == "page_first" else 2
     assert runs.shape[0] == layout.num_layers * per_layer
     pieces = page_pieces(g, np.arange(10, 42), 0, 256)[0].size
@@ -149,4 +164,52 @@ def test_runs_reject_bad_tables() -> None:
     with pytest.raises(PageIndexError):
         put_runs(g, [0, 9], g, [0, 1], 0, 16, None, range(4), range(4))
     with pytest.raises(LayoutError):
-        put_runs(g, [0], CacheGeometry(SMALL.replace(page_tokens=16), 8), [0], 0, 8, None, range(4), range(4))
+        put_runs(
+            g,
+            [0],
+            CacheGeometry(SMALL.replace(page_tokens=16), 8),
+            [0],
+            0,
+            8,
+            None,
+            range(4),
+            range(4),
+        )
+
+
+def test_unavailable_is_reported_with_reason() -> None:
+    """Where kvbridge._ucx cannot be imported, UCX is reported unavailable."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "kvbridge._ucx":
+            raise ImportError("UCX headers were absent at build time")
+        return None
+sys.meta_path.insert(0, Block())
+from kvbridge.errors import Unavailable
+from kvbridge.layout import KVLayout
+from kvbridge.transport import ucx
+assert not ucx.available()
+assert "UCX headers were absent" in ucx.unavailable_reason(), ucx.unavailable_reason()
+try:
+    ucx.UcxAgent(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), [])
+except Unavailable as e:
+    assert "unavailable" in str(e)
+else:
+    raise AssertionError("no Unavailable")
+print("ok")
+"""
+    import os
+
+    import kvbridge
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kvbridge.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.stdout.strip() == "ok", out.stderr

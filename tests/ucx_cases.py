@@ -5,25 +5,35 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import ucx_refpack as ref
 
 from kvbridge.layout import KVLayout
-
-import ucx_refpack as ref
 
 
 def make_cache(layout: KVLayout, num_pages: int, seed: int | None) -> list[np.ndarray]:
     """Random (seed) or zero cache tensors, 16-bit elements viewed as uint16."""
     rng = np.random.default_rng(seed)
     dt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[layout.itemsize]
-    shapes = [layout.cache_shape(num_pages)] if layout.stacked else [layout.layer_shape(num_pages)] * layout.num_layers
+    shapes = (
+        [layout.cache_shape(num_pages)]
+        if layout.stacked
+        else [layout.layer_shape(num_pages)] * layout.num_layers
+    )
     if seed is None:
         return [np.zeros(s, dtype=dt) for s in shapes]
     return [rng.integers(1, np.iinfo(dt).max, size=s, dtype=dt) for s in shapes]
 
 
 def same_tokens(
-    a_layout: KVLayout, a: Any, a_bt: Any, b_layout: KVLayout, b: Any, b_bt: Any,
-    start: int, end: int, layers: Any = None,
+    a_layout: KVLayout,
+    a: Any,
+    a_bt: Any,
+    b_layout: KVLayout,
+    b: Any,
+    b_bt: Any,
+    start: int,
+    end: int,
+    layers: Any = None,
 ) -> bool:
     wa = ref.wire(ref.PagedKVCache(a_layout, a), a_bt, start, end, layers)
     wb = ref.wire(ref.PagedKVCache(b_layout, b), b_bt, start, end, layers)

@@ -43,7 +43,9 @@ def gather(cache: PagedKVCache, bt: Any, start: int, end: int, layer: int) -> np
     return t[pg, :, :, off].transpose(1, 0, 2, 3)
 
 
-def scatter(cache: PagedKVCache, bt: Any, start: int, end: int, layer: int, val: np.ndarray) -> None:
+def scatter(
+    cache: PagedKVCache, bt: Any, start: int, end: int, layer: int, val: np.ndarray
+) -> None:
     lay, t = cache.layout, cache.layer(layer)
     pg, off = _index(lay, bt, start, end)
     if lay.mla:
@@ -62,12 +64,23 @@ def scatter(cache: PagedKVCache, bt: Any, start: int, end: int, layer: int, val:
 
 def wire(cache: PagedKVCache, bt: Any, start: int, end: int, layers: Any = None) -> np.ndarray:
     l0, l1 = cache.layout.layer_range(layers)
-    parts = [np.ascontiguousarray(gather(cache, bt, start, end, l)).view(np.uint8).reshape(-1) for l in range(l0, l1)]
+    parts = [
+        np.ascontiguousarray(gather(cache, bt, start, end, layer)).view(np.uint8).reshape(-1)
+        for layer in range(l0, l1)
+    ]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
 
 
-def pack(cache: PagedKVCache, block_table: Any, start: int, end: int, layers: Any = None,
-         out: Any = None, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+def pack(
+    cache: PagedKVCache,
+    block_table: Any,
+    start: int,
+    end: int,
+    layers: Any = None,
+    out: Any = None,
+    offset: int = 0,
+    nbytes: int | None = None,
+) -> np.ndarray:
     w = wire(cache, block_table, start, end, layers)
     n = w.size - offset if nbytes is None else nbytes
     if out is None:
@@ -76,8 +89,15 @@ def pack(cache: PagedKVCache, block_table: Any, start: int, end: int, layers: An
     return out
 
 
-def unpack(cache: PagedKVCache, block_table: Any, start: int, end: int, src: Any,
-           layers: Any = None, offset: int = 0) -> None:
+def unpack(
+    cache: PagedKVCache,
+    block_table: Any,
+    start: int,
+    end: int,
+    src: Any,
+    layers: Any = None,
+    offset: int = 0,
+) -> None:
     lay = cache.layout
     l0, l1 = lay.layer_range(layers)
     w = wire(cache, block_table, start, end, layers)
@@ -85,6 +105,10 @@ def unpack(cache: PagedKVCache, block_table: Any, start: int, end: int, src: Any
     w[offset : offset + src.size] = src
     per = (end - start) * lay.token_bytes_per_layer
     dt = cache.layer(l0).dtype
-    for i, l in enumerate(range(l0, l1)):
-        val = w[i * per : (i + 1) * per].view(dt).reshape(lay.num_components, end - start, lay.num_kv_heads, lay.head_dim)
-        scatter(cache, block_table, start, end, l, val)
+    for i, layer in enumerate(range(l0, l1)):
+        val = (
+            w[i * per : (i + 1) * per]
+            .view(dt)
+            .reshape(lay.num_components, end - start, lay.num_kv_heads, lay.head_dim)
+        )
+        scatter(cache, block_table, start, end, layer, val)

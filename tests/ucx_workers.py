@@ -9,9 +9,9 @@ import os
 import time
 from typing import Any
 
+import ucx_refpack as ref
 from ucx_cases import make_cache
 
-import ucx_refpack as ref
 from kvbridge.layout import KVLayout
 
 
@@ -29,18 +29,28 @@ def digest(layout: KVLayout, cache: Any, bt: Any, start: int, end: int, layers: 
     return hashlib.blake2b(w.tobytes(), digest_size=16).hexdigest()
 
 
-def agent_main(conn: Any, env: dict[str, str], layout: KVLayout, pages: int, seed: int | None, error_mode: str) -> None:
+def agent_main(
+    conn: Any, env: dict[str, str], layout: KVLayout, pages: int, seed: int | None, error_mode: str
+) -> None:
     os.environ.update(env)
     asyncio.run(_serve(conn, layout, pages, seed, error_mode))
 
 
-async def _serve(conn: Any, layout: KVLayout, pages: int, seed: int | None, error_mode: str) -> None:
+async def _serve(
+    conn: Any, layout: KVLayout, pages: int, seed: int | None, error_mode: str
+) -> None:
     from kvbridge.transport.ucx import UcxAgent
 
     loop = asyncio.get_running_loop()
     cache = make_cache(layout, pages, seed)
     agent = UcxAgent(
-        layout, cache, error_mode=error_mode, packer=_packer(), timeout=30.0, heartbeat=0.5, peer_timeout=3.0
+        layout,
+        cache,
+        error_mode=error_mode,
+        packer=_packer(),
+        timeout=30.0,
+        heartbeat=0.5,
+        peer_timeout=3.0,
     )
     conn.send(("md", agent.metadata()))
     peers: list[Any] = []

@@ -167,10 +167,10 @@ void Engine::post_notify(Op& op) {
     ucp_request_param_t p = request_param(ticket);
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_EAGER;
-    account(op,
-            ucp_am_send_nbx(it->second->ep, kAmId, nullptr, 0, op.notify.data(), op.notify.size(),
-                            &p),
-            ticket);
+    account(
+        op,
+        ucp_am_send_nbx(it->second->ep, kAmId, nullptr, 0, op.notify.data(), op.notify.size(), &p),
+        ticket);
   }
   finish_if_done(op);
 }

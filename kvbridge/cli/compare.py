@@ -23,11 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import KVLayout
+from ..layout import DType, KVLayout
 from .compare_peers import Scenario, receiver_main, sender_main
 
 LIBS = ("kvbridge", "nixl", "mooncake", "ucxx")
-_MODULES = {"kvbridge": "kvbridge._ucx", "nixl": "nixl", "mooncake": "mooncake.engine", "ucxx": "ucxx"}
+_MODULES = {
+    "kvbridge": "kvbridge._ucx",
+    "nixl": "nixl",
+    "mooncake": "mooncake.engine",
+    "ucxx": "ucxx",
+}
 _INSTALL = {
     "kvbridge": "build kvbridge with UCX (pip install libucx-cu12 before building)",
     "nixl": "pip install torch==2.13.0 nixl",
@@ -40,17 +45,34 @@ SETTINGS = {"tcp": "tcp", "shm": "tcp,sm"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--libs", default=",".join(LIBS), help="comma list of %s" % ",".join(LIBS))
-    p.add_argument("--settings", default="tcp,shm", help="comma list of: tcp (UCX_TLS=tcp), shm (UCX_TLS=tcp,sm)")
+    p.add_argument("--libs", default=",".join(LIBS), help=f"comma list of {','.join(LIBS)}")
+    p.add_argument(
+        "--settings",
+        default="tcp,shm",
+        help="comma list of: tcp (UCX_TLS=tcp), shm (UCX_TLS=tcp,sm)",
+    )
     p.add_argument("--scenarios", default="pages,llama", help="comma list of: pages, llama")
     p.add_argument("--pages", type=int, default=4096, help="pages of the 'pages' scenario")
     p.add_argument("--page-kib", type=int, default=64, help="page size of the 'pages' scenario")
-    p.add_argument("--llama-tokens", type=int, default=32768, help="request length of the 'llama' scenario (scale down on small machines)")
-    p.add_argument("--block-tables", choices=["shuffled", "contiguous"], default="shuffled",
-                   help="destination pages: a random permutation (fragmented cache) or in order")
+    p.add_argument(
+        "--llama-tokens",
+        type=int,
+        default=32768,
+        help="request length of the 'llama' scenario (scale down on small machines)",
+    )
+    p.add_argument(
+        "--block-tables",
+        choices=["shuffled", "contiguous"],
+        default="shuffled",
+        help="destination pages: a random permutation (fragmented cache) or in order",
+    )
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--kvb-error-mode", choices=["none", "peer"], default="none",
-                   help="kvbridge's UCX endpoint error handling (its default: none, with heartbeats)")
+    p.add_argument(
+        "--kvb-error-mode",
+        choices=["none", "peer"],
+        default="none",
+        help="kvbridge's UCX endpoint error handling (its default: none, with heartbeats)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per library and scenario")
 
 
@@ -72,38 +94,76 @@ def scenarios(args: Any) -> list[Scenario]:
     names = args.scenarios.split(",")
     if "pages" in names:
         # one layer, one 'latent head' of page_kib KiB per 16-token page
-        lay = KVLayout(num_layers=1, num_kv_heads=1, head_dim=args.page_kib * 1024 // 32, dtype="fp16",
-                       page_tokens=16, mla=True, stacked=True, name="pages")
+        lay = KVLayout(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=args.page_kib * 1024 // 32,
+            dtype=DType.FP16,
+            page_tokens=16,
+            mla=True,
+            stacked=True,
+            name="pages",
+        )
         n = args.pages
         dst = rng.permutation(n) if args.block_tables == "shuffled" else np.arange(n)
-        out.append(Scenario(f"{n} pages x {args.page_kib} KiB", lay, n, np.arange(n), dst, 0, n * 16))
+        out.append(
+            Scenario(f"{n} pages x {args.page_kib} KiB", lay, n, np.arange(n), dst, 0, n * 16)
+        )
     if "llama" in names:
         lay = KVLayout.for_model("llama-3-8b", page_tokens=16, stacked=True)
         n = lay.pages_for(args.llama_tokens)
         dst = rng.permutation(n) if args.block_tables == "shuffled" else np.arange(n)
-        out.append(Scenario(f"llama-3-8b {args.llama_tokens} tokens", lay, n, np.arange(n), dst, 0, args.llama_tokens))
+        out.append(
+            Scenario(
+                f"llama-3-8b {args.llama_tokens} tokens",
+                lay,
+                n,
+                np.arange(n),
+                dst,
+                0,
+                args.llama_tokens,
+            )
+        )
     return out
 
 
-def run_one(lib: str, scen: Scenario, setting: str, iters: int, timeout: float, error_mode: str = "none") -> dict[str, Any]:
-    env = {"UCX_TLS": SETTINGS[setting], "KVB_BENCH_SETTING": setting, "KVB_BENCH_ERROR_MODE": error_mode}
+def run_one(
+    lib: str, scen: Scenario, setting: str, iters: int, timeout: float, error_mode: str = "none"
+) -> dict[str, Any]:
+    env = {
+        "UCX_TLS": SETTINGS[setting],
+        "KVB_BENCH_SETTING": setting,
+        "KVB_BENCH_ERROR_MODE": error_mode,
+    }
     ctx = mp.get_context("spawn")
     rconn, rchild = ctx.Pipe()
     sconn, schild = ctx.Pipe()
-    recv = ctx.Process(target=receiver_main, args=(rchild, env, lib, scen, iters), daemon=True, name=f"{lib} receiver")
+    recv = ctx.Process(
+        target=receiver_main,
+        args=(rchild, env, lib, scen, iters),
+        daemon=True,
+        name=f"{lib} receiver",
+    )
     recv.start()
     send = None
     try:
         msg = _get(rconn, timeout, recv)
         if msg[0] != "ready":
             return {"error": msg[1]}
-        send = ctx.Process(target=sender_main, args=(schild, env, lib, scen, iters, msg[1]), daemon=True, name=f"{lib} sender")
+        send = ctx.Process(
+            target=sender_main,
+            args=(schild, env, lib, scen, iters, msg[1]),
+            daemon=True,
+            name=f"{lib} sender",
+        )
         send.start()
         res = _get(sconn, timeout, send)
         if res[0] != "times":
             return {"error": res[1]}
         rconn.send(("digest",))
         dig = _get(rconn, timeout, recv)
+        if dig[0] != "digest":
+            return {"error": dig[1]}
         times = res[1][1:]  # drop the warm-up
         med = statistics.median(times)
         return {"seconds": med, "gbps": scen.nbytes / med / 1e9, "ok": dig[1] == res[2]}
@@ -140,14 +200,27 @@ def run(args: Any) -> int:
     for lib, how in missing.items():
         print(f"missing: {lib} (not installed: {how}); skipped")
     present = [x for x in libs if x not in missing]
-    results = compare(present, scenarios(args), args.settings.split(","), args.iters, args.timeout,
-                      args.kvb_error_mode)
+    results = compare(
+        present,
+        scenarios(args),
+        args.settings.split(","),
+        args.iters,
+        args.timeout,
+        args.kvb_error_mode,
+    )
     print(format_table(results))
     return 0 if all(r.get("ok", False) for r in results) else 1
 
 
-def compare(libs: list[str], scens: list[Scenario], settings: list[str], iters: int, timeout: float,
-            error_mode: str = "none", verbose: bool = True) -> list[dict[str, Any]]:
+def compare(
+    libs: list[str],
+    scens: list[Scenario],
+    settings: list[str],
+    iters: int,
+    timeout: float,
+    error_mode: str = "none",
+    verbose: bool = True,
+) -> list[dict[str, Any]]:
     rows = []
     for scen in scens:
         for setting in settings:

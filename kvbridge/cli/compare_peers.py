@@ -28,12 +28,16 @@ class Scenario:
 
     @property
     def region_bytes(self) -> int:
-        return self.layout.layer_numel(self.num_pages) * self.layout.itemsize * self.layout.num_layers
+        return (
+            self.layout.layer_numel(self.num_pages) * self.layout.itemsize * self.layout.num_layers
+        )
 
     def pieces(self, bt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         from ..transport.ucx_runs import CacheGeometry, page_pieces
 
-        _, off, length = page_pieces(CacheGeometry(self.layout, self.num_pages), bt, self.start, self.end)
+        _, off, length = page_pieces(
+            CacheGeometry(self.layout, self.num_pages), bt, self.start, self.end
+        )
         return off, length
 
     @property
@@ -53,8 +57,8 @@ def _digest(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> str:
     import xxhash
 
     h = xxhash.xxh3_64()
-    mv = memoryview(buf)
-    for o, n in zip(off.tolist(), length.tolist()):
+    mv = memoryview(buf.data)
+    for o, n in zip(off.tolist(), length.tolist(), strict=True):
         h.update(mv[o : o + n])
     return h.hexdigest()
 
@@ -67,7 +71,9 @@ def receiver_main(conn: Any, env: dict[str, str], lib: str, scen: Scenario, iter
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def sender_main(conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int, info: Any) -> None:
+def sender_main(
+    conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int, info: Any
+) -> None:
     os.environ.update(env)
     try:
         buf = _buffer(scen, fill=True)
@@ -101,8 +107,16 @@ def _kvb_receiver(conn: Any, scen: Scenario, iters: int) -> None:
 
     async def main() -> None:
         buf = _buffer(scen, fill=False)
-        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, error_mode=_kvb_error_mode(), timeout=300)
-        handles = [agent.expect(f"it{i}", scen.dst_bt, scen.start, scen.end) for i in range(iters + 1)]
+        agent = UcxAgent(
+            scen.layout,
+            _kvb_cache(buf, scen),
+            staging_bytes=0,
+            error_mode=_kvb_error_mode(),
+            timeout=300,
+        )
+        handles = [
+            agent.expect(f"it{i}", scen.dst_bt, scen.start, scen.end) for i in range(iters + 1)
+        ]
         conn.send(("ready", agent.metadata()))
         for h in handles:
             await h
@@ -117,7 +131,13 @@ def _kvb_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[
     from ..transport.ucx import UcxAgent
 
     async def main() -> list[float]:
-        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, error_mode=_kvb_error_mode(), timeout=300)
+        agent = UcxAgent(
+            scen.layout,
+            _kvb_cache(buf, scen),
+            staging_bytes=0,
+            error_mode=_kvb_error_mode(),
+            timeout=300,
+        )
         peer = await agent.connect(info)
         times = []
         for i in range(iters + 1):
@@ -137,11 +157,18 @@ def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
     async def main() -> None:
         buf = np.zeros(scen.nbytes, dtype=np.uint8)
         done = asyncio.Event()
+        errors: list[str] = []
+
         async def serve(ep: Any) -> None:
-            for _ in range(iters + 1):
-                await ep.recv(buf)
-            await ep.close()
-            done.set()
+            try:
+                for _ in range(iters + 1):
+                    await ep.recv(buf)
+                # the sender exits after this ack, not before the last bytes landed
+                await ep.send(np.ones(1, dtype=np.uint8))
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                done.set()
 
         listener = ucxx.create_listener(serve)
         conn.send(("ready", listener.port))
@@ -149,7 +176,10 @@ def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
         listener.close()
         msg = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
         assert msg[0] == "digest"
-        conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
+        if errors:
+            conn.send(("error", errors[0]))
+        else:
+            conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
 
     asyncio.run(main())
 
@@ -160,13 +190,15 @@ def _ucxx_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list
     async def main() -> list[float]:
         ep = await ucxx.create_endpoint("127.0.0.1", info)
         off, length = scen.pieces(scen.src_bt)
-        flat = np.concatenate([buf[o : o + n] for o, n in zip(off.tolist(), length.tolist())])
+        flat = np.concatenate(
+            [buf[o : o + n] for o, n in zip(off.tolist(), length.tolist(), strict=True)]
+        )
         times = []
         for _ in range(iters + 1):
             t = time.perf_counter()
             await ep.send(flat)
             times.append(time.perf_counter() - t)
-        await ep.close()
+        await ep.recv(np.empty(1, dtype=np.uint8))
         return times
 
     return asyncio.run(main())
@@ -236,15 +268,13 @@ def _mooncake_receiver(conn: Any, scen: Scenario, iters: int) -> None:
     _finish_receiver(conn, buf, scen)
 
 
-MOONCAKE_BATCH = 1024  # its TCP transport's default queue bound per peer
+MOONCAKE_BATCH = 1024  # its TCP transport rejects larger batches by default
 
 
 def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
     target, dst_base = info
     soff, length = scen.pieces(scen.src_bt)
     doff, _ = scen.pieces(scen.dst_bt)
-    # One batch per request: raise the per-peer queue bound above its size.
-    os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", str(max(4096, 2 * length.size)))
     te = _mooncake_engine()
     if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
         raise RuntimeError("Mooncake register_memory failed")
@@ -254,14 +284,23 @@ def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> 
     times = []
     for _ in range(iters + 1):
         t = time.perf_counter()
-        if te.batch_transfer_sync_write(target, src, dst, lens) != 0:
-            for i in range(0, len(lens), MOONCAKE_BATCH):  # split as its TCP default demands
-                j = i + MOONCAKE_BATCH
-                if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
-                    raise RuntimeError("Mooncake batch_transfer_sync_write failed")
+        for i in range(0, len(lens), MOONCAKE_BATCH):
+            j = i + MOONCAKE_BATCH
+            if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
+                raise RuntimeError("Mooncake batch_transfer_sync_write failed")
         times.append(time.perf_counter() - t)
     return times
 
 
-_RECEIVERS = {"kvbridge": _kvb_receiver, "ucxx": _ucxx_receiver, "nixl": _nixl_receiver, "mooncake": _mooncake_receiver}
-_SENDERS = {"kvbridge": _kvb_sender, "ucxx": _ucxx_sender, "nixl": _nixl_sender, "mooncake": _mooncake_sender}
+_RECEIVERS = {
+    "kvbridge": _kvb_receiver,
+    "ucxx": _ucxx_receiver,
+    "nixl": _nixl_receiver,
+    "mooncake": _mooncake_receiver,
+}
+_SENDERS = {
+    "kvbridge": _kvb_sender,
+    "ucxx": _ucxx_sender,
+    "nixl": _nixl_sender,
+    "mooncake": _mooncake_sender,
+}

@@ -54,6 +54,10 @@ class TransferHandle:
         self._future: asyncio.Future[TransferStats] = loop.create_future()
         self._on_abort = on_abort
         self._timer = loop.call_later(timeout, self._expire, timeout)
+        # set by the agent: the peer, the staging task, the receiver's state
+        self._peer: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._expect: Any = None
 
     # -- state --------------------------------------------------------------
     def done(self) -> bool:
@@ -91,7 +95,9 @@ class TransferHandle:
         return True
 
     def _expire(self, timeout: float) -> None:
-        exc = TransferTimeout(f"{self.stats.direction} {self.request_id!r}: deadline of {timeout} s passed")
+        exc = TransferTimeout(
+            f"{self.stats.direction} {self.request_id!r}: deadline of {timeout} s passed"
+        )
         if self._fail(exc):
             self._on_abort(self, exc)
 

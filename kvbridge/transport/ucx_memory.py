@@ -18,7 +18,12 @@ def buffer_of(t: Any) -> tuple[int, int, tuple[int, ...], int]:
     if hasattr(t, "data_ptr") and hasattr(t, "element_size"):  # torch
         if not t.is_contiguous():
             raise ShapeError("cache tensors must be contiguous")
-        return int(t.data_ptr()), int(t.numel() * t.element_size()), tuple(t.shape), int(t.element_size())
+        return (
+            int(t.data_ptr()),
+            int(t.numel() * t.element_size()),
+            tuple(t.shape),
+            int(t.element_size()),
+        )
     if hasattr(t, "ctypes") and hasattr(t, "flags"):  # numpy
         if not t.flags["C_CONTIGUOUS"]:
             raise ShapeError("cache arrays must be C-contiguous")
@@ -43,7 +48,9 @@ def cache_tensors(layout: KVLayout, cache: Any) -> tuple[list[Any], int]:
         raise ShapeError(f"layout needs {want} cache tensor(s), got {len(tensors)}")
     _, _, shape, itemsize = buffer_of(tensors[0])
     if itemsize != layout.itemsize:
-        raise DTypeError(f"cache itemsize {itemsize}, layout {layout.dtype.value} needs {layout.itemsize}")
+        raise DTypeError(
+            f"cache itemsize {itemsize}, layout {layout.dtype.value} needs {layout.itemsize}"
+        )
     inner = shape[1:] if layout.stacked else shape
     if not inner:
         raise ShapeError(f"cache tensor shape {shape} is not a paged KV cache")

@@ -116,4 +116,20 @@ def decode_message(data: bytes) -> Message:
     except UnicodeDecodeError:
         raise RemoteProtocolError("control message request id is not UTF-8") from None
     blob = bytes(data[p + nrid + ntext :])
-    return Message(k, bytes(f[3]), rid, *f[4:14], text=text, blob=blob)
+    return Message(
+        k,
+        bytes(f[3]),
+        rid,
+        start=f[4],
+        end=f[5],
+        l0=f[6],
+        l1=f[7],
+        nbytes=f[8],
+        part=f[9],
+        offset=f[10],
+        length=f[11],
+        slot=f[12],
+        code=f[13],
+        text=text,
+        blob=blob,
+    )

@@ -129,7 +129,9 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
     if magic != METADATA_MAGIC:
         raise RemoteProtocolError("not kvbridge UCX metadata (bad magic)")
     if version != METADATA_VERSION:
-        raise VersionMismatch(f"UCX metadata version {version}, this build reads {METADATA_VERSION}")
+        raise VersionMismatch(
+            f"UCX metadata version {version}, this build reads {METADATA_VERSION}"
+        )
     if _HEAD.size + body_len + _CHECK.size != len(data):
         raise RemoteProtocolError("UCX metadata length does not match its header")
     (check,) = _CHECK.unpack_from(data, len(data) - _CHECK.size)

@@ -1,16 +1,18 @@
 """UCX worker progress tied into asyncio without spinning when idle.
 
-While work is outstanding (posted operations, staged transfers) the worker is
-progressed on every loop iteration (``call_soon``).  When nothing is
-outstanding the worker's event fd is armed and watched with
-``loop.add_reader``: the process sleeps until the network has something for
-it.  A periodic safety progress (``safety_interval``, 0.1 s) covers events that
+While work is outstanding (posted operations, staged transfers), and for a
+short ``hot_window`` (2 ms) after any progress call that found work (bytes
+streaming in for a receiver), the worker is progressed on every loop
+iteration (``call_soon``).  Otherwise the worker's event fd is armed and
+watched with ``loop.add_reader``: the process sleeps until the network has
+something for it.  A periodic safety progress (``safety_interval``, 0.1 s) covers events that
 arrive between a progress and the arm.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +25,15 @@ class WorkerProgress:
         on_events: Callable[[], None],
         busy: Callable[[], bool],
         safety_interval: float = 0.1,
+        hot_window: float = 0.002,
     ) -> None:
         self._engine = engine
         self._loop = loop
         self._on_events = on_events
         self._busy = busy
         self._interval = safety_interval
+        self._hot_window = hot_window
+        self._hot_until = 0.0
         self._fd = int(engine.event_fd())
         self._scheduled = False
         self._closed = False
@@ -53,11 +58,12 @@ class WorkerProgress:
         if self._closed:
             return
         while True:
-            self._engine.progress()
+            if self._engine.progress():
+                self._hot_until = time.monotonic() + self._hot_window
             self._on_events()
             if self._closed:
                 return
-            if self._busy():
+            if self._busy() or time.monotonic() < self._hot_until:
                 self.kick()
                 return
             if self._engine.arm():

@@ -61,7 +61,9 @@ def page_pieces(
     first, last = start // pt, (end - 1) // pt
     bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
     if bt.size <= last:
-        raise PageIndexError(f"block table of {bt.size} pages does not cover tokens [{start}, {end})")
+        raise PageIndexError(
+            f"block table of {bt.size} pages does not cover tokens [{start}, {end})"
+        )
     phys = bt[first : last + 1]
     if phys.size and (phys.min() < 0 or phys.max() >= geom.num_pages):
         raise PageIndexError(f"block table names a page outside [0, {geom.num_pages})")
@@ -85,19 +87,16 @@ def page_pieces(
         region, layer_base = nlay, np.zeros_like(nlay)
 
     # axes: layer, then (comp, page) or (page, comp) in memory order, then head
-    L = (slice(None), None, None, None)
+    Axes = tuple[slice | None, ...]
+    L: Axes = (slice(None), None, None, None)
+    C: Axes
+    P: Axes
     if lay.order is MemoryOrder.KV_FIRST:
         C, P = (None, slice(None), None, None), (None, None, slice(None), None)
     else:
         P, C = (None, slice(None), None, None), (None, None, slice(None), None)
-    H = (None, None, None, slice(None))
-    off = (
-        layer_base[L]
-        + comps[C] * s_comp
-        + phys[P] * s_page
-        + heads[H] * s_head
-        + t0[P] * unit
-    )
+    H: Axes = (None, None, None, slice(None))
+    off = layer_base[L] + comps[C] * s_comp + phys[P] * s_page + heads[H] * s_head + t0[P] * unit
     length = ((t1 - t0)[P] * unit) + np.zeros_like(off)
     reg = region[L] + np.zeros_like(off)
     return reg.reshape(-1), off.reshape(-1), length.reshape(-1)
