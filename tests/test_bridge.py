@@ -190,6 +190,9 @@ def test_bad_input_is_rejected_before_anything_moves() -> None:
             await pre.connect("md", PeerConfig("tcp", *md.tcp_address))
         with pytest.raises(InvalidArgument, match="unknown transport"):
             await pre.connect("x", PeerConfig("smoke-signals"))
+        with pytest.raises(PeerGone, match="nobody"):
+            md.tcp.send_control("nobody", 0x80, b"")
+        assert md.tcp.peer_identities() == ["p"]
         e.cancel()
 
     run_pair(main)

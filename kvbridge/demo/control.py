@@ -16,7 +16,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..errors import PeerGone, RemoteProtocolError, TransferTimeout
+from ..errors import ConnectTimeout, PeerGone, RemoteProtocolError, TransferTimeout
 
 __all__ = ["ControlClient", "ControlServer"]
 
@@ -111,7 +111,9 @@ class ControlClient:
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if loop.time() > deadline:
-                    raise TransferTimeout(f"no control socket at {self.path} after {timeout} s")
+                    raise ConnectTimeout(
+                        f"no control socket at {self.path} after {timeout} s"
+                    ) from None
                 await asyncio.sleep(0.1)
         self._task = asyncio.ensure_future(self._read())
 

@@ -29,6 +29,7 @@ from ..errors import (
     IncompatiblePeer,
     InvalidArgument,
     KVBridgeError,
+    PeerGone,
     RemoteProtocolError,
     ResourceLimit,
     TransferAborted,
