@@ -101,7 +101,7 @@ class DecodeBridge:
 
     def ucx_metadata(self) -> bytes:
         """The opaque, versioned registration blob a prefill passes to connect."""
-        return self._require_ucx().metadata()
+        return bytes(self._require_ucx().metadata())
 
     @property
     def tcp(self) -> TcpReceiver:

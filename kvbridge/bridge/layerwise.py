@@ -39,7 +39,7 @@ class LayerwiseSource(KVSource):
 
     @property
     def ready_until(self) -> int:
-        return self._ready
+        return int(self._ready)
 
     def mark_ready(self, layer_end: int) -> None:
         """Layers below ``layer_end`` now hold their final KV."""

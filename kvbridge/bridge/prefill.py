@@ -104,7 +104,7 @@ class PrefillBridge:
         return self._ucx
 
     def ucx_metadata(self) -> bytes:
-        return self._ensure_ucx().metadata()
+        return bytes(self._ensure_ucx().metadata())
 
     def tcp_sender(self, name: str) -> TcpSender:
         """The TCP sender of a destination (for CONTROL messages)."""

@@ -107,7 +107,7 @@ async def relay_side(host: str, port: int, tokens: bytes, runs: int, warmup: int
             fut.set_result(None)
 
     tx.on_control(KV_DONE, lambda c, t, p: wake(("kv", int.from_bytes(p, "little"))))
-    tx.on_control(0x42, lambda c, t, p: wake(("ids", decode(p, t).request_id)))  # type: ignore[union-attr]
+    tx.on_control(0x42, lambda c, t, p: wake(("ids", decode(p, t).request_id)))
     kv_t, id_t, id_bytes = [], [], 0
     for i in range(runs):
         fut = waiters[("kv", i)] = loop.create_future()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from typing import Any
 
@@ -70,18 +71,19 @@ def measure_point(
         srv = emu.popen(
             "b",
             [py, "-m", "kvbridge.cli.transfer", "serve", "--host", host, "--port", "0"],
-            stdout=__import__("subprocess").PIPE,
+            stdout=subprocess.PIPE,
             text=True,
         )
         try:
+            assert srv.stdout is not None
             info = json.loads(srv.stdout.readline())
             target = f"{host}:{info['port']}:{info['raw_port']}"
             for streams, chunk_kib, comp in rows:
                 res = emu.run(
                     "a",
                     [py, "-m", "kvbridge.cli.transfer", "--connect", target,
-                     "--skip", "latency", "--skip", "compression", "--bytes-mib", mib,
-                     "--streams", streams, "--chunk-kib", chunk_kib, "--repeats", 1,
+                     "--skip", "latency", "--skip", "compression", "--bytes-mib", str(mib),
+                     "--streams", str(streams), "--chunk-kib", str(chunk_kib), "--repeats", "1",
                      "--compression", comp, "--json", "--no-progress"],
                     timeout=300, capture_output=True, text=True, check=True,
                 )  # fmt: skip
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         points = points[:1]
     rows = _rows(args)
-    results = []
+    results: list[dict[str, Any]] = []
     show = not (args.json or args.no_progress)
     from tqdm import tqdm
 

@@ -93,7 +93,7 @@ class _Role:
         self.stop = asyncio.Event()
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
@@ -534,16 +534,16 @@ class Prefill(_Role):
             "matched": matched,
             "prefill_s": prefill_s,
         }
-        for name, r in results.items():
-            if isinstance(r, KVBridgeError):
-                out[f"{name}_error"] = f"{type(r).__name__}: {r}"
+        for name, res in results.items():
+            if isinstance(res, KVBridgeError):
+                out[f"{name}_error"] = f"{type(res).__name__}: {res}"
             else:
-                out[f"{name}_bytes"] = r.bytes
-                out[f"{name}_wire_bytes"] = r.wire_bytes
-                out[f"{name}_s"] = r.seconds
-                out[f"{name}_path"] = r.path
-                if name == "md" and r.seconds > 0:
-                    self.router.observe_transfer(r.bytes, r.seconds)
+                out[f"{name}_bytes"] = res.bytes
+                out[f"{name}_wire_bytes"] = res.wire_bytes
+                out[f"{name}_s"] = res.seconds
+                out[f"{name}_path"] = res.path
+                if name == "md" and res.seconds > 0:
+                    self.router.observe_transfer(res.bytes, res.seconds)
         return out
 
 
