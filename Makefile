@@ -39,8 +39,8 @@ demo: $(STAMP)
 	$(BIN)/kvbridge-bench demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvbridge tests bench
-	$(BIN)/ruff format --check kvbridge tests bench
+	$(BIN)/ruff check kvbridge tests bench examples
+	$(BIN)/ruff format --check kvbridge tests bench examples
 	$(BIN)/mypy kvbridge
 	@if command -v clang-format >/dev/null; then \
 	  clang-format --dry-run --Werror $$(find csrc bindings -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh'); \

@@ -180,6 +180,7 @@ class TcpReceiver:
         self._workers = workers or min(8, os.cpu_count() or 2)
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="kvb-rx")
         self._queue: list[tuple[int, int, int, tuple[Any, ...]]] = []
+        self._closing = False
         self._seq = itertools.count()
         self._running = 0
         self._server: asyncio.Server | None = None
@@ -215,15 +216,20 @@ class TcpReceiver:
 
     async def close(self) -> None:
         """Stop listening, abort every unfinished transfer, close connections."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for t in list(self._expected.values()):
             self._finish(t, Cancelled("receiver closed"), ErrorCode.SHUTDOWN)
         for conn in list(self._conns):
             conn.close()
-        for task in list(self._handshakes | self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._handshakes, *self._tasks, return_exceptions=True)
+        while self._handshakes or self._tasks:
+            pending = list(self._handshakes | self._tasks)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self._handshakes.difference_update(pending)
+            self._tasks.difference_update(pending)
         for conn in list(self._conns):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(conn.wait_closed(), 2.0)
@@ -445,6 +451,9 @@ class TcpReceiver:
         """Start queued writes, up to one per worker thread: the highest
         priority, then the transfer with the fewest bytes left, goes first, so
         that a small transfer is not queued behind a large one here either."""
+        if self._closing:
+            self._queue.clear()  # the transfers were failed by close()
+            return
         while self._queue and self._running < self._workers:
             *_, job = heapq.heappop(self._queue)
             self._running += 1
