@@ -7,6 +7,7 @@ reply and the data."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -61,15 +62,7 @@ class MainDecode:
                 q.request_id, list(lease.block_table), lease.matched_tokens, lease.num_tokens
             )
             self.leases[q.request_id] = (lease, exp)
-            reply = PrefixReply(
-                reply.request_id,
-                reply.status,
-                reply.page_tokens,
-                reply.lease_id,
-                reply.matched_tokens,
-                reply.lease_ms,
-                transfer_token=exp.ticket,
-            )
+            reply = dataclasses.replace(reply, transfer_token=exp.ticket)
         conn.send_control(*encode_prefix_message(reply))
 
     async def land(self, rid: int) -> tuple[int, ...]:

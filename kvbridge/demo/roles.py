@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -233,15 +234,7 @@ class MainDecode(_Role):
                 lease.num_tokens,
                 timeout=self.cfg.request_timeout_s,
             )
-            reply = PrefixReply(
-                reply.request_id,
-                reply.status,
-                reply.page_tokens,
-                reply.lease_id,
-                reply.matched_tokens,
-                reply.lease_ms,
-                transfer_token=exp.ticket,
-            )
+            reply = dataclasses.replace(reply, transfer_token=exp.ticket)
             self.spawn(self._serve_request(lease, exp))
         conn.send_control(*encode_prefix_message(reply))
 
