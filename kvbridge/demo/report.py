@@ -166,6 +166,17 @@ def plot_ttft_cdf(summaries: list[PipelineSummary], path: Path) -> bool:
     return True
 
 
+def _finite(x: Any) -> Any:
+    """Strict JSON: NaN and infinities (an empty percentile) become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_outputs(
     out_dir: Path,
     summaries: list[PipelineSummary],
@@ -179,7 +190,7 @@ def write_outputs(
         "requests": {k: [asdict(r) for r in v] for k, v in records.items()},
         **extra,
     }
-    paths["json"].write_text(json.dumps(doc, indent=1, default=str))
+    paths["json"].write_text(json.dumps(_finite(doc), indent=1, default=str, allow_nan=False))
     if not plot_ttft_cdf(summaries, paths["png"]):
         del paths["png"]
     return paths
