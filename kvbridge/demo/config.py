@@ -43,6 +43,7 @@ class DemoConfig:
     wan_loss: float = 0.0
     wan_streams: int = 4
     wan_chunk: int = 256 << 10
+    wan_secret: str = "kvbridge-demo"  # per-peer PSKs are derived from it
     # prefill -> relay inside datacenter A
     rld_transport: str = "ucx"  # "ucx" or "tcp"
     # decode speed (emulated compute per step, added to the real one)
@@ -96,6 +97,13 @@ class DemoConfig:
             order=self.md_order,
             head_order=self.md_head_order,
         )
+
+    def psk(self, identity: str) -> bytes:
+        """The pre-shared key of one WAN peer (derived; a real deployment
+        provisions its own keys)."""
+        import hashlib
+
+        return hashlib.blake2b(identity.encode(), key=self.wan_secret.encode()).digest()[:32]
 
     # ---- presets and (de)serialisation ------------------------------------------
     @classmethod

@@ -168,6 +168,10 @@ class MainDecode(_Role):
             PagedKVCache(self.layout, self.engine.kv_cache),
             identity="main-decode",
             tcp_listen=(self.host, 0),
+            # the WAN links authenticate: a per-peer pre-shared key, and only
+            # the prefill and the relay may connect
+            psk={"prefill": self.cfg.psk("prefill"), RELAY_IDENTITY: self.cfg.psk(RELAY_IDENTITY)},
+            allowed_identities=frozenset({"prefill", RELAY_IDENTITY}),
         )
         await self.bridge.start()
         self.starts: dict[int, asyncio.Future[Start]] = {}
@@ -327,6 +331,7 @@ class RelayDecode(_Role):
             identity=RELAY_IDENTITY,
             compat_hash=self.layout.compat_hash,
             compression="off",
+            psk=self.cfg.psk(RELAY_IDENTITY),
         )
         await self.md.connect()
         for t in HANDOFF_TYPES:
@@ -434,6 +439,7 @@ class Prefill(_Role):
                 int(msg["md_port"]),
                 streams=cfg.wan_streams,
                 chunk_size=cfg.wan_chunk,
+                psk=cfg.psk("prefill"),
             ),
         )
         self.bridge.tcp_sender("md").on_control(PREFIX_REPLY, self._on_reply)
