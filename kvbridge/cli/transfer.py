@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-kib", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compression", default="auto", choices=["auto", "off", "lz4", "zstd"])
+    p.add_argument(
+        "--data", default="random", choices=["random", "kv"], help="goodput data (kv: real KV)"
+    )
     p.add_argument("--big-mib", type=int, default=2048, help="latency: the large transfer")
     p.add_argument("--small-kib", type=int, default=1024, help="latency: the small transfers")
     p.add_argument("--count", type=int, default=50, help="latency: small transfers per policy")
@@ -110,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
                             nbytes=args.bytes_mib * MiB, streams=args.streams,
                             chunk_size=args.chunk_kib * 1024, repeats=args.repeats,
                             compression=args.compression, progress=prog, psk=psk,
+                            data_kind=args.data,
                         )
                     )  # fmt: skip
             if "latency" not in args.skip:

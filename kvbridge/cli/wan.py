@@ -3,9 +3,10 @@
 For each WAN point (rate, round trip, loss) the receiving end runs in one
 network namespace and the sender in the other; the kernel's TCP on both ends
 sees the real round trip, window limits and loss.  Each row moves the same
-bytes with kvbridge (N streams, chunk size, compression) and with one plain
-TCP stream (raw uvloop socket) in the same run.  Data: fp16 KV-like bytes
-(synthetic, with per-channel scales).  Needs root (network namespaces).
+bytes with kvbridge (N streams, chunk size, compression) and with raw uvloop
+sockets over as many connections, in the same run (the 1-stream row is the
+single plain TCP stream).  Data: random bytes, and the reference decoder's
+real bf16 KV for the compression rows.  Needs root (network namespaces).
 
   kvbridge-bench wan                           default points and sweeps
   kvbridge-bench wan --points 1gbit:40ms:0.1%  one point
@@ -43,14 +44,18 @@ def _point(spec: str) -> tuple[float, float, float]:
     return parse_rate(rate), parse_time(rtt) * 1e3, parse_fraction(loss)
 
 
-def _rows(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+Row = tuple[int, int, str, str]  # streams, chunk KiB, compression, data
+
+
+def _rows(args: argparse.Namespace) -> list[Row]:
     streams = [int(x) for x in args.streams.split(",")]
     chunks = [int(x) for x in args.chunks_kib.split(",")]
     if args.quick:
         streams, chunks = [1, 4], [4096]
-    rows = [(s, 4096, "off") for s in streams]
-    rows += [(4, c, "off") for c in chunks if c != 4096]
-    rows.append((4, 4096, "auto"))
+    rows: list[Row] = [(s, 4096, "off", "random") for s in streams]
+    rows += [(4, c, "off", "random") for c in chunks if c != 4096]
+    # real KV (the reference decoder's bf16 cache): raw, then adaptive compression
+    rows += [(4, 4096, "off", "kv"), (4, 4096, "auto", "kv")]
     return rows
 
 
@@ -58,7 +63,7 @@ def measure_point(
     rate_bps: float,
     rtt_ms: float,
     loss: float,
-    rows: list[tuple[int, int, str]],
+    rows: list[Row],
     mib: int,
     bar: Any,
 ) -> list[dict[str, Any]]:
@@ -78,13 +83,13 @@ def measure_point(
             assert srv.stdout is not None
             info = json.loads(srv.stdout.readline())
             target = f"{host}:{info['port']}:{info['raw_port']}"
-            for streams, chunk_kib, comp in rows:
+            for streams, chunk_kib, comp, data in rows:
                 res = emu.run(
                     "a",
                     [py, "-m", "kvbridge.cli.transfer", "--connect", target,
                      "--skip", "latency", "--skip", "compression", "--bytes-mib", str(mib),
                      "--streams", str(streams), "--chunk-kib", str(chunk_kib), "--repeats", "1",
-                     "--compression", comp, "--json", "--no-progress"],
+                     "--compression", comp, "--data", data, "--json", "--no-progress"],
                     timeout=300, capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 g = json.loads(res.stdout.strip().splitlines()[-1])["goodput"]
@@ -93,6 +98,7 @@ def measure_point(
                         "streams": streams,
                         "chunk_kib": chunk_kib,
                         "compression": comp,
+                        "data": data,
                         "kvbridge_of_line": g["kvbridge_GBps"] * 8e9 / rate_bps,
                         "raw_same_streams_of_line": g["raw_GBps"] * 8e9 / rate_bps,
                         "decision": g.get("compression", {}),
@@ -103,6 +109,12 @@ def measure_point(
             srv.terminate()
             srv.wait(10)
     return out
+
+
+def _decision(d: dict[str, Any]) -> str:
+    if not d or d.get("codec") in (None, "raw"):
+        return "raw"
+    return f"{d['codec']} (zstd-1 ratio {d.get('ratio_zstd', float('nan')):.2f})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,10 +143,14 @@ def run(args: argparse.Namespace) -> int:
             f"WAN {pt['rate_bps'] / 1e9:g} Gbit/s, RTT {pt['rtt_ms']:g} ms, loss {pt['loss'] * 100:g}%"
             "  (goodput as a fraction of the line rate)"
         )
-        print(f"  {'streams':>7} {'chunk':>8} {'compr':>6} {'kvbridge':>9} {'raw sockets':>12}")
+        print(
+            f"  {'streams':>7} {'chunk':>8} {'compr':>6} {'data':>7} {'kvbridge':>9} "
+            f"{'raw sockets':>12}  decision"
+        )
         for r in pt["rows"]:
             print(
-                f"  {r['streams']:>7} {r['chunk_kib']:>6}Ki {r['compression']:>6} "
-                f"{r['kvbridge_of_line']:>9.2f} {r['raw_same_streams_of_line']:>12.2f}"
+                f"  {r['streams']:>7} {r['chunk_kib']:>6}Ki {r['compression']:>6} {r['data']:>7} "
+                f"{r['kvbridge_of_line']:>9.2f} {r['raw_same_streams_of_line']:>12.2f}  "
+                + _decision(r["decision"])
             )
     return 0

@@ -180,11 +180,23 @@ async def measure_goodput(
     warmup: int = 1,
     compression: str = "auto",
     progress: Callable[[int], None] | None = None,
+    data_kind: str = "random",
     **tx_kwargs: Any,
 ) -> dict[str, Any]:
     """Median goodput of kvbridge and of raw sockets moving the same bytes,
-    interleaved run by run."""
-    data = memoryview(os.urandom(nbytes))
+    interleaved run by run.  ``data_kind``: "random" bytes, or "kv": the
+    reference decoder's real bf16 KV (a 4 MiB sample repeated: farther apart
+    than the zstd-1 and lz4 windows reach, so each chunk compresses as unique
+    KV would)."""
+    itemsize = 1
+    if data_kind == "kv":
+        sample = reference_kv(4 << 20, wide=True)
+        data = memoryview((sample * (nbytes // len(sample) + 1))[:nbytes])
+        itemsize = 2
+    elif data_kind == "random":
+        data = memoryview(os.urandom(nbytes))
+    else:
+        raise ValueError(f"data_kind must be 'random' or 'kv', not {data_kind!r}")
     tx = TcpSender(
         host, port, streams=streams, chunk_size=chunk_size, compression=compression, **tx_kwargs
     )
@@ -199,7 +211,7 @@ async def measure_goodput(
             rid = f"goodput-{i}"
             token = await broker.token(rid, nbytes)
             t0 = time.perf_counter()
-            last = await tx.send(rid, BytesSource(data), token=token).wait(600)
+            last = await tx.send(rid, BytesSource(data, itemsize=itemsize), token=token).wait(600)
             tk = time.perf_counter() - t0
             tr = await _raw_run(host, raw_port, data, streams, raw_conns)
             if i >= warmup:
@@ -309,15 +321,23 @@ def synthetic_kv(nbytes: int, head_dim: int = 128, seed: int = 0) -> bytes:
     return vals.astype(np.float16).tobytes()[: n * 2]
 
 
-def reference_kv(nbytes: int = 4 << 20, dtype: str = "bf16", seed: int = 0) -> bytes:
+def reference_kv(
+    nbytes: int = 4 << 20, dtype: str = "bf16", seed: int = 0, *, wide: bool = False
+) -> bytes:
     """Real KV bytes: the reference decoder's cache after prefilling a random
-    prompt (4 layers, 2 KV heads of 32), packed into the wire layout."""
+    prompt (4 layers, 2 KV heads of 32; ``wide``: 8 KV heads of 64, for large
+    samples), packed into the wire layout."""
     import torch
 
     from ..pack import PagedKVCache, pack
     from ..reference.decoder import DecoderConfig, ReferenceDecoder
 
     cfg = DecoderConfig(seed=seed)
+    if wide:
+        cfg = DecoderConfig(
+            hidden_size=512, num_heads=8, num_kv_heads=8, head_dim=64, intermediate_size=1024,
+            seed=seed,
+        )  # fmt: skip
     lay = cfg.kv_layout(dtype=dtype, page_tokens=16)
     n = max(16, nbytes // lay.bytes_per_token)
     dec = ReferenceDecoder(cfg, lay, lay.pages_for(n))
