@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import struct
 import subprocess
+import traceback
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,13 +24,20 @@ def arun(coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
     """Run ``coro`` on a fresh uvloop loop with a hard deadline."""
 
     async def guarded() -> T:
-        return await asyncio.wait_for(coro, timeout)
+        try:
+            return await asyncio.wait_for(coro, timeout)
+        except BaseException:
+            traceback.print_exc()  # shown even if closing the loop then gets stuck
+            raise
 
     return run(guarded())
 
 
 class OnceSink(BytesSink):
-    """A sink that fails the test if any byte is written twice."""
+    """A sink that fails the test if any byte is written twice.  It offers no
+    ``view``, so every chunk goes through ``write`` (see PlacedSink)."""
+
+    view = None  # type: ignore[assignment]
 
     def __init__(self, nbytes: int, **kw: Any) -> None:
         super().__init__(nbytes, **kw)
@@ -172,3 +180,16 @@ def make_certs(d: Path) -> dict[str, Path]:
     out = {p.stem: p for p in d.glob("*.pem")}
     out.update({p.stem + "_key": p for p in d.glob("*.key")})
     return out
+
+
+class PlacedSink(BytesSink):
+    """A sink that lends its memory (``view``): the receiver reads chunks from
+    the socket straight into it.  Records every view handed out."""
+
+    def __init__(self, nbytes: int, **kw: Any) -> None:
+        super().__init__(nbytes, **kw)
+        self.views: list[tuple[int, int]] = []
+
+    def view(self, offset: int, n: int) -> memoryview:
+        self.views.append((offset, offset + n))
+        return super().view(offset, n)

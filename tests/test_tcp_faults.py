@@ -10,15 +10,16 @@ import struct
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tcp_support import FaultProxy, OnceSink, arun
+from tcp_support import FaultProxy, OnceSink, PlacedSink, arun
 
-from kvbridge.errors import PeerGone, ResourceLimit, TransferAborted
+from kvbridge.errors import Cancelled, PeerGone, ResourceLimit, TransferAborted
 from kvbridge.transport.conn import FrameConnection
 from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.sender import TcpSender, _TxTransfer
 from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver
 from kvbridge.wire import ClientHandshake, FrameDecoder, encode_frame
-from kvbridge.wire.frames import Data, Error, ErrorCode, Open, Ready
+from kvbridge.wire.chunk import checksum
+from kvbridge.wire.frames import Ack, Data, Error, ErrorCode, Nack, Open, Ping, Ready
 
 KiB, MiB = 1024, 1 << 20
 
@@ -53,21 +54,35 @@ class AckAudit:
 
 
 def resume_case(
-    resets: list[int | None], size: int, streams: int, chunk: int, corrupt: set[int] | None = None
+    resets: list[int | None],
+    size: int,
+    streams: int,
+    chunk: int,
+    corrupt: set[int] | None = None,
+    placed: bool = False,
 ) -> None:
+    """``placed``: the sink lends its memory, so chunks are read from the socket
+    straight into it (a cut-off or damaged chunk is then rewritten by its
+    resend); else every chunk goes through ``write``, each byte exactly once."""
+
     async def main() -> None:
         rx = await TcpReceiver().start()
         proxy = FaultProxy(rx.port, reset_after=resets, corrupt=corrupt)
         port = await proxy.start()
         tx = TcpSender("127.0.0.1", port, streams=streams, chunk_size=chunk, reconnect_timeout=10)
         data = os.urandom(size)
-        sink = OnceSink(size)
+        sink = PlacedSink(size) if placed else OnceSink(size)
         h = rx.expect("r", sink, timeout=30)
         sh = tx.send("r", BytesSource(data), token=h.token, timeout=30)
         await sh.wait(30)
         await h.wait(30)
         assert bytes(sink.data) == data
-        assert len(sink.spans) == -(-size // chunk)  # every chunk written exactly once
+        count = -(-size // chunk)
+        assert h.stats["chunks"] == count  # every chunk verified and held exactly once
+        if isinstance(sink, OnceSink):
+            assert len(sink.spans) == count  # every chunk written exactly once
+        else:
+            assert sink.writes >= count and len(sink.views) >= h.stats["placed"]
         await tx.close()
         await proxy.close()
         await rx.close()
@@ -82,6 +97,7 @@ def resume_case(
     streams=st.integers(1, 3),
     chunk=st.sampled_from([64 * KiB, 256 * KiB]),
     corrupt=st.sets(st.integers(0, 40), max_size=3),
+    placed=st.booleans(),
 )
 def test_resume_after_resets_at_random_points(
     monkeypatch: pytest.MonkeyPatch,
@@ -90,34 +106,44 @@ def test_resume_after_resets_at_random_points(
     streams: int,
     chunk: int,
     corrupt: set[int],
+    placed: bool,
 ) -> None:
     """Resets at random byte positions (mid-frame too), plus damaged chunks."""
     with monkeypatch.context() as mp:
         audit = AckAudit(mp)
-        resume_case(resets, size, streams, chunk, corrupt)
+        resume_case(resets, size, streams, chunk, corrupt, placed)
         assert audit.sent >= -(-size // chunk)
 
 
-def test_resume_when_every_connection_drops_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("placed", [False, True])
+def test_resume_when_every_connection_drops_at_once(
+    monkeypatch: pytest.MonkeyPatch, placed: bool
+) -> None:
     AckAudit(monkeypatch)
     # all three first connections die mid-transfer; the sender reconnects
-    resume_case([700 * KiB, 900 * KiB, 1100 * KiB], 6 * MiB, 3, 128 * KiB)
+    resume_case([700 * KiB, 900 * KiB, 1100 * KiB], 6 * MiB, 3, 128 * KiB, placed=placed)
 
 
-def test_damaged_chunks_are_resent_never_delivered() -> None:
+@pytest.mark.parametrize("placed", [False, True])
+def test_damaged_chunks_are_resent_never_delivered(placed: bool) -> None:
     async def main() -> None:
         rx = await TcpReceiver().start()
         proxy = FaultProxy(rx.port, corrupt={0, 3, 4, 9})
         port = await proxy.start()
-        tx = TcpSender("127.0.0.1", port, streams=2, chunk_size=64 * KiB)
-        data = os.urandom(MiB)
-        sink = OnceSink(len(data))
+        chunk = 256 * KiB if placed else 64 * KiB
+        tx = TcpSender("127.0.0.1", port, streams=2, chunk_size=chunk)
+        data = os.urandom(16 * chunk)
+        sink = PlacedSink(len(data)) if placed else OnceSink(len(data))
         h = rx.expect("r", sink)
         stats = await tx.send("r", BytesSource(data), token=h.token).wait(20)
         await h.wait(20)
         assert bytes(sink.data) == data
         assert h.stats["bad_chunks"] == 4 and stats.retries == 4
-        assert len(sink.spans) == 16
+        assert h.stats["chunks"] == 16
+        if placed:  # read straight into the sink; the 4 damaged ones twice
+            assert h.stats["placed"] == 16 and len(sink.views) == 20
+        else:
+            assert len(sink.spans) == 16
         await tx.close()
         await proxy.close()
         await rx.close()
@@ -296,5 +322,67 @@ def test_refused_connection_is_peer_gone_after_the_deadline() -> None:
         with pytest.raises(PeerGone):
             await h.wait(5)
         await tx.close()
+
+    arun(main())
+
+
+def test_cancel_mid_chunk_stops_writes_into_a_lent_sink() -> None:
+    """A chunk being read straight into the sink when the engine cancels: not
+    one more byte lands there (the engine may reuse those pages at once)."""
+
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        size = 2 * MiB
+        sink = PlacedSink(size)
+        h = rx.expect("r", sink)
+        _r, w = await raw_client(rx.port)
+        while not any(c.peer for c in rx._conns):  # the receiver finished its handshake
+            await asyncio.sleep(0.001)
+        w.write(encode_frame(Open(1, h.token, 0, size, size, 0, 0, 0, 0, 0, 0, "r")))
+        payload = b"\xab" * size
+        frame = encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload), payload))
+        w.write(frame[:MiB])
+        while sink.data.count(0xAB) < MiB // 2:  # the first bytes are in the sink
+            await asyncio.sleep(0.005)
+        assert sink.views == [(0, size)]
+        h.cancel()
+        await asyncio.sleep(0.05)
+        landed = sink.data.count(0xAB)
+        w.write(frame[MiB:])
+        w.write(encode_frame(Ping(7)))
+        await w.drain()
+        await asyncio.sleep(0.2)
+        assert sink.data.count(0xAB) == landed < size
+        with pytest.raises(Cancelled):
+            await h.wait(1)
+        w.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_damaged_chunk_read_into_a_lent_sink_is_not_acknowledged() -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        size = MiB
+        sink = PlacedSink(size)
+        h = rx.expect("r", sink)
+        r, w = await raw_client(rx.port)
+        while not any(c.peer for c in rx._conns):  # the receiver finished its handshake
+            await asyncio.sleep(0.001)
+        w.write(encode_frame(Open(1, h.token, 0, size, size, 0, 0, 0, 0, 0, 0, "r")))
+        payload = os.urandom(size)
+        w.write(encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload) ^ 1, payload)))
+        dec = FrameDecoder()
+        seen: list[object] = []
+        while not any(isinstance(m, Nack) for m in seen):
+            seen += dec.feed(await asyncio.wait_for(r.read(65536), 5))
+        assert not any(isinstance(m, Ack) for m in seen)
+        assert h.received_bytes == 0 and h.stats["bad_chunks"] == 1 and not h.done()
+        w.write(encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload), payload)))
+        await h.wait(5)
+        assert bytes(sink.data) == payload and len(sink.views) == 2
+        w.close()
+        await rx.close()
 
     arun(main())

@@ -318,24 +318,34 @@ def test_chunk_size_fits_a_receiver_with_small_frames() -> None:
 
 
 def test_sender_memory_bounded_when_the_receiver_is_slow() -> None:
-    import time
+    import threading
 
-    class SlowSink(BytesSink):
+    gate = threading.Event()
+
+    class StalledSink(BytesSink):
+        view = None  # type: ignore[assignment]  # every chunk through the stalled write
+
         def write(self, offset: int, data: memoryview) -> None:
-            time.sleep(0.002)
+            gate.wait(20)  # the receiver stops until the sender has had to buffer
             super().write(offset, data)
 
     async def main() -> None:
         rx = await TcpReceiver(limits=ReceiverLimits(max_inflight_bytes_per_peer=MiB)).start()
-        chunk = 256 * KiB
+        chunk = MiB
         tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=chunk)
-        data = os.urandom(24 * MiB)
-        sink = SlowSink(len(data))
+        # more than the kernel's socket buffers on both ends can hold
+        data = memoryview(bytearray(96 * MiB))
+        data[:: 4 * KiB] = os.urandom(len(data) // (4 * KiB))
+        sink = StalledSink(len(data))
         h = rx.expect("slow", sink)
         s = tx.send("slow", BytesSource(data), token=h.token)
         peak = 0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         while not s.done():
             peak = max(peak, sum(link.conn.write_buffer_size for link in tx._links))
+            if (peak and loop.time() - t0 > 0.3) or loop.time() - t0 > 5:
+                gate.set()
             await asyncio.sleep(0.001)
         await s.wait(30)
         assert bytes(sink.data) == data

@@ -27,6 +27,7 @@ from kvbridge.wire.frames import (
     Complete,
     Control,
     Data,
+    DataHead,
     Error,
     Hello,
     HelloAck,
@@ -274,3 +275,93 @@ def test_large_frame_received_in_own_buffer() -> None:
         got += dec.buffer_updated(n)
     assert len(got) == 1 and isinstance(got[0], Data)
     assert bytes(got[0].data) == payload
+    assert got[0].digest == checksum(payload)  # hashed piece by piece on arrival
+
+
+def _pump(dec: FrameDecoder, stream: bytes, step: int) -> list[object]:
+    """Feed ``stream`` through get_buffer/buffer_updated, at most ``step`` bytes a read."""
+    out: list[object] = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), step, len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        out += dec.buffer_updated(n)
+    return out
+
+
+@pytest.mark.parametrize("size", [5000, 70_000, 600_000])
+@pytest.mark.parametrize("step", [7, 4096, 1 << 20])
+def test_place_receives_chunk_bytes_straight_into_the_destination(size: int, step: int) -> None:
+    """Whole frames in the staging buffer and large ones alike land in the
+    view that ``place`` returns; the digest is computed on the way."""
+    dest = bytearray(2 * size)
+    payloads = [bytes([i + 1]) * size for i in range(2)]
+    frames = [
+        encode_frame(Data(3, i, i * size, size, 0, 0, checksum(p), p))
+        for i, p in enumerate(payloads)
+    ]
+    asked: list[tuple[int, int]] = []
+
+    def place(head: DataHead) -> memoryview:
+        asked.append((head.seq, head.wire_length))
+        return memoryview(dest)[head.offset : head.offset + head.wire_length]
+
+    dec = FrameDecoder(place=place)
+    ping = encode_frame(Ping(5))
+    got = _pump(dec, ping + frames[0] + ping + frames[1], step)
+    assert [type(m) for m in got] == [Ping, Data, Ping, Data]
+    assert asked == [(0, size), (1, size)]
+    assert bytes(dest) == b"".join(payloads)
+    for m, p in zip((got[1], got[3]), payloads, strict=True):
+        assert isinstance(m, Data) and m.placed and m.digest == checksum(p) == m.checksum
+        assert m.data.obj is dest  # type: ignore[union-attr]
+
+
+def test_place_declined_or_damaged_and_small_frames() -> None:
+    payload = bytes(range(256)) * 1024
+    bad = Data(1, 0, 0, len(payload), 0, 0, checksum(payload) ^ 1, payload)
+    dec = FrameDecoder(place=lambda head: None)  # declined: own allocation, still hashed
+    (m,) = _pump(dec, encode_frame(bad), 10_000)
+    assert isinstance(m, Data) and not m.placed and m.digest == checksum(payload) != m.checksum
+    tiny = Data(1, 0, 0, 100, 0, 0, checksum(b"x" * 100), b"x" * 100)
+    calls: list[object] = []
+    dec = FrameDecoder(place=lambda head: calls.append(head))  # type: ignore[func-returns-value]
+    (m,) = _pump(dec, encode_frame(tiny), 1 << 20)
+    assert calls == [] and m == tiny and m.digest is None  # below the size worth placing
+
+
+def test_place_must_return_the_exact_size() -> None:
+    payload = bytes(300_000)
+    frame = encode_frame(Data(1, 0, 0, len(payload), 0, 0, checksum(payload), payload))
+    dec = FrameDecoder(place=lambda head: memoryview(bytearray(10)))
+    with pytest.raises(ValueError):
+        _pump(dec, frame, 1 << 20)
+
+
+def test_discard_current_stops_writing_into_a_placed_view() -> None:
+    size = 600_000
+    dest = bytearray(size)
+    payload = b"\xab" * size
+    frame = encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload), payload))
+    dec = FrameDecoder(place=lambda head: memoryview(dest))
+    cut = 100_000
+    assert _pump(dec, frame[:cut], 1 << 20) == []
+    written = dest.count(0xAB)
+    assert 0 < written < size
+    dec.discard_current()  # e.g. the transfer was cancelled: the pages go back to the engine
+    after = _pump(dec, frame[cut:] + encode_frame(Ping(1)), 50_000)
+    assert after == [Ping(1)]  # the rest is read and dropped, the stream goes on
+    assert dest.count(0xAB) == written
+
+
+def test_critical_flags_are_never_placed() -> None:
+    payload = bytes(300_000)
+    frame = bytearray(encode_frame(Data(1, 0, 0, len(payload), 0, 0, checksum(payload), payload)))
+    struct.pack_into("<H", frame, 6, 0x0100)  # an unknown critical flag
+    calls: list[object] = []
+    dec = FrameDecoder(place=lambda head: calls.append(head))  # type: ignore[func-returns-value]
+    with pytest.raises(RemoteProtocolError):
+        _pump(dec, bytes(frame), 1 << 20)
+    assert calls == []

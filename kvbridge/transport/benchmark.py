@@ -50,6 +50,9 @@ class _ReuseSink:
     def write(self, offset: int, data: memoryview) -> None:
         self.buf[offset : offset + len(data)] = data
 
+    def view(self, offset: int, n: int) -> memoryview:
+        return self.buf[offset : offset + n]
+
     def flush(self) -> None:
         return None
 

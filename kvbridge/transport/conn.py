@@ -71,6 +71,7 @@ class FrameConnection(asyncio.BufferedProtocol):
     ) -> None:
         self.id = next(self._ids)
         self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD)
+        self.decoder.on_message = self._on_decoded  # in order, as each frame is parsed
         self.transport: asyncio.Transport | None = None
         self.peer: PeerInfo | None = None
         self.handler: Handler | None = None
@@ -103,13 +104,12 @@ class FrameConnection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._last_rx = time.monotonic()
         try:
-            msgs = self.decoder.buffer_updated(nbytes)
+            self.decoder.buffer_updated(nbytes)
         except KVBridgeError as e:
             self.fail(e)
-            return
-        for m in msgs:
-            if self.closed:
-                return
+
+    def _on_decoded(self, m: Message) -> None:
+        if not self.closed:
             self._dispatch(m)
 
     def eof_received(self) -> bool | None:

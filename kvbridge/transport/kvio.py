@@ -49,6 +49,16 @@ class Sink(Protocol):
         """Make every written byte visible to the engine (e.g. sync a CUDA stream)."""
 
 
+# A sink whose bytes are plain contiguous host memory may also offer
+#
+#     def view(self, offset: int, n: int) -> memoryview   (writable, exactly n bytes)
+#
+# The receiver then reads uncompressed chunks from the socket straight into it,
+# with no copy.  Those bytes land before their checksum is verified: a damaged
+# chunk is asked for again and overwritten, and a cancelled transfer stops
+# writing there at once.  The engine reads nothing before completion anyway.
+
+
 def _check(offset: int, n: int, total: int) -> None:
     if offset < 0 or n < 0 or offset + n > total:
         raise BufferTooSmall(f"slice [{offset}, {offset + n}) outside a {total}-byte transfer")
@@ -109,6 +119,12 @@ class BytesSink:
         _check(offset, len(data), self.nbytes)
         np.copyto(self._np[offset : offset + len(data)], np.frombuffer(data, np.uint8))
         self.writes += 1
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """The destination bytes themselves (the receiver reads into them)."""
+        _check(offset, n, self.nbytes)
+        self.writes += 1
+        return memoryview(self.data)[offset : offset + n]
 
     def flush(self) -> None:
         self.flushed = True

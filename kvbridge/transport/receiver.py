@@ -47,6 +47,7 @@ from ..wire.frames import (
     Complete,
     Control,
     Data,
+    DataHead,
     ErrorCode,
     Message,
     Nack,
@@ -107,7 +108,7 @@ class ExpectHandle(TransferHandleBase[int]):
         self.sink = sink
         self.token = token
         self.received_bytes = 0
-        self.stats: dict[str, Any] = {"chunks": 0, "duplicates": 0, "bad_chunks": 0}
+        self.stats: dict[str, Any] = {"chunks": 0, "duplicates": 0, "bad_chunks": 0, "placed": 0}
 
     def _moved_bytes(self) -> int:
         return self.received_bytes
@@ -125,6 +126,7 @@ class _RxTransfer:
         self.grid: ChunkGrid | None = None
         self.held: set[int] = set()
         self.writing: dict[int, dict[FrameConnection, int]] = {}
+        self.placing: dict[FrameConnection, int] = {}  # chunk being read into the sink
         self.attached: dict[FrameConnection, int] = {}
         self.finished = False
         self.complete = False
@@ -301,6 +303,7 @@ class TcpReceiver:
     # ---- connections ---------------------------------------------------------------------
     def _on_made(self, conn: FrameConnection) -> None:
         conn.decoder.allocate = self._bufpool.get
+        conn.decoder.place = lambda head: self._place(conn, head)
         task = asyncio.get_running_loop().create_task(self._handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
@@ -342,6 +345,9 @@ class TcpReceiver:
         st.peer.conns.discard(conn)
         for t in st.transfers.values():
             t.attached.pop(conn, None)
+            idx = t.placing.pop(conn, None)
+            if idx is not None:  # the chunk was cut off mid-frame: it is needed again
+                self._unwrite(t, idx, conn)
 
     # ---- frames --------------------------------------------------------------------------
     def _on_message(self, conn: FrameConnection, m: Message) -> None:
@@ -418,8 +424,57 @@ class TcpReceiver:
             return f"chunk size {m.chunk_size} != {t.grid.chunk_size} of the first OPEN"
         return ""
 
+    def _place(self, conn: FrameConnection, h: DataHead) -> memoryview | None:
+        """Where the bytes of an incoming DATA frame should land: straight in
+        the sink when the chunk is uncompressed, expected, not yet held or
+        being written, and the sink exposes its memory; else None."""
+        st = self._conns.get(conn)
+        if st is None or conn.peer is None or h.codec != ChunkCodec.RAW or h.shuffle:
+            return None
+        t = st.transfers.get(h.transfer_id)
+        view = getattr(t.sink, "view", None) if t is not None else None
+        if t is None or view is None or t.grid is None or t.finished or conn in t.placing:
+            return None
+        try:
+            idx = t.grid.index_of(h.offset, h.raw_length)
+        except RemoteProtocolError:
+            return None  # _on_data rejects it
+        if idx != h.seq or h.wire_length != h.raw_length or idx in t.held or idx in t.writing:
+            return None
+        out: memoryview = view(h.offset, h.raw_length)
+        t.writing[idx] = {conn: h.transfer_id}
+        t.placing[conn] = idx
+        return out
+
+    def _unwrite(self, t: _RxTransfer, idx: int, conn: FrameConnection) -> None:
+        """A chunk read into the sink from ``conn`` is not there after all:
+        duplicates that waited on it are asked for again."""
+        for c, tid in t.writing.pop(idx, {}).items():
+            if c is not conn and not c.closed:
+                off, n = t.grid.span(idx) if t.grid is not None else (0, 0)
+                c.send(Nack(tid, off, n, ErrorCode.CHECKSUM))
+
+    def _on_placed(self, conn: FrameConnection, t: _RxTransfer, m: Data) -> None:
+        """A chunk that arrived straight in the sink: verify it, then hold it."""
+        idx = t.placing.pop(conn, None)
+        if idx is None or t.finished or idx != m.seq:
+            return
+        if m.digest != m.checksum:
+            t.handle.stats["bad_chunks"] += 1
+            conn.send(Nack(m.transfer_id, m.offset, m.raw_length, ErrorCode.CHECKSUM))
+            self._unwrite(t, idx, conn)
+            if t.handle.stats["bad_chunks"] > self.limits.max_bad_chunks:
+                self._finish(t, ChecksumError("too many damaged chunks"), ErrorCode.CHECKSUM)
+            return
+        t.handle.stats["placed"] += 1
+        self._hold(t, idx, m)
+
     def _on_data(self, conn: FrameConnection, st: _ConnState, m: Data) -> None:
         t = st.transfers.get(m.transfer_id)
+        if m.placed:
+            if t is not None:
+                self._on_placed(conn, t, m)
+            return
         if t is None or t.grid is None:
             st.stray += 1
             if st.stray > self.limits.max_stray_frames:
@@ -511,8 +566,12 @@ class TcpReceiver:
             return
         finally:
             self._refund(peer, size)
-            if isinstance(m.data, memoryview):
+            if isinstance(m.data, memoryview) and not m.placed:
                 self._bufpool.put(m.data.obj)
+        self._hold(t, idx, m)
+
+    def _hold(self, t: _RxTransfer, idx: int, m: Data) -> None:
+        """Chunk ``idx`` is verified and in the sink: acknowledge it."""
         waiters = t.writing.pop(idx, {})
         if t.finished:
             return
@@ -524,7 +583,7 @@ class TcpReceiver:
                 c.send(Ack(tid, ((m.offset, m.raw_length),)))
         assert t.grid is not None
         if len(t.held) == t.grid.count:
-            await self._maybe_complete_async(t)
+            self._maybe_complete(t)
 
     def _maybe_complete(self, t: _RxTransfer) -> None:
         task = asyncio.get_running_loop().create_task(self._maybe_complete_async(t))
@@ -557,6 +616,9 @@ class TcpReceiver:
         t.finished = True
         if t.timer is not None:
             t.timer.cancel()
+        for c in t.placing:  # not one more byte into a sink that its owner may reuse now
+            c.decoder.discard_current()
+        t.placing.clear()
         t.handle._resolve(exc)
         if code is not None:
             for c, tid in list(t.attached.items()):
@@ -577,5 +639,5 @@ class TcpReceiver:
 
 
 def _decode_and_write(sink: Sink, m: Data) -> None:
-    raw = decode_chunk(m.data, m.raw_length, m.codec, m.shuffle, m.checksum)
+    raw = decode_chunk(m.data, m.raw_length, m.codec, m.shuffle, m.checksum, m.digest)
     sink.write(m.offset, raw)

@@ -85,19 +85,21 @@ def decode_chunk(
     codec: int,
     shuffle: int,
     expected_checksum: int,
+    digest: int | None = None,
 ) -> memoryview:
     """Verify and decode one chunk into its raw bytes.
 
     Raises :class:`ChecksumError` when the checksum does not match or the body
     does not decode to exactly ``raw_length`` bytes (both mean a damaged chunk
     that the receiver asks for again), :class:`RemoteProtocolError` for an
-    unknown codec or shuffle.
+    unknown codec or shuffle.  ``digest`` is the checksum of ``data`` when the
+    caller already computed it (as the bytes arrived).
     """
     if shuffle not in (0, 2):
         raise RemoteProtocolError(f"unknown shuffle {shuffle}")
     if codec not in (ChunkCodec.RAW, ChunkCodec.LZ4, ChunkCodec.ZSTD):
         raise RemoteProtocolError(f"unknown chunk codec {codec}")
-    if checksum(data) != expected_checksum:
+    if (checksum(data) if digest is None else digest) != expected_checksum:
         raise ChecksumError("chunk checksum mismatch")
     body: bytes | bytearray | memoryview
     if codec == ChunkCodec.RAW:

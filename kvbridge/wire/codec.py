@@ -11,19 +11,27 @@ without an intermediate copy.  :meth:`FrameDecoder.feed` is the plain bytes-in v
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
+
+import xxhash
 
 from ..errors import FrameTooLarge, RemoteProtocolError, UnknownFrame, VersionMismatch
 from .frames import (
     CONTROL_FIRST,
+    DATA_HEADER_SIZE,
     DEFAULT_MAX_FRAME,
+    FLAGS_CRITICAL_MASK,
     HEADER,
     HEADER_SIZE,
     MAGIC,
     PROTOCOL_VERSION,
     Data,
+    DataHead,
     FrameType,
     Message,
+    decode_data_head,
     decode_payload,
     encode_payload,
 )
@@ -32,6 +40,9 @@ __all__ = ["FrameDecoder", "encode_frame", "encode_frame_parts"]
 
 _KNOWN = frozenset(int(t) for t in FrameType)
 _STAGING = 256 * 1024
+_PLACE_MIN = 4096  # whole DATA frames from this size are offered to ``place``
+_PEEK = 4096  # a staging read right after a large payload (see get_buffer)
+_PIECE = 256 << 10  # large payloads are read in pieces of at most this (hashed while in L2)
 _HANDSHAKE_TYPES = frozenset((FrameType.HELLO, FrameType.ERROR))
 
 
@@ -59,32 +70,64 @@ class FrameDecoder:
     allocation.  ``version`` is the negotiated protocol version; before it is
     set (``None``), a HELLO or ERROR frame of any version is accepted so that
     version negotiation can happen, and every other frame must be version 1.
+
+    Large DATA frames (longer than a quarter of the staging buffer) get two
+    extras.  Their chunk bytes are hashed (XXH3-64) piece by piece as they
+    arrive, while the piece is still in cache, and the emitted :class:`Data`
+    carries the result as ``digest``.  And ``place``, when set, is asked where
+    the chunk bytes should land as soon as the DATA header is in: it gets the
+    :class:`DataHead` and returns a writable view of exactly ``wire_length``
+    bytes (the frame is then received straight into it and emitted with
+    ``placed=True``), or ``None`` (the payload gets its own allocation).
+    :meth:`discard_current` stops writing into a placed view mid-frame.
+
+    With ``on_message`` set, each message goes to it the moment it is parsed
+    (and ``buffer_updated`` returns an empty list): then ``place`` always sees
+    the effects of every earlier frame (say, the OPEN of the transfer whose
+    DATA follows in the same read).
     """
 
     def __init__(
         self,
         max_payload: int = DEFAULT_MAX_FRAME,
         allocate: Callable[[int], bytearray] | None = None,
+        place: Callable[[DataHead], memoryview | None] | None = None,
     ) -> None:
         self.max_payload = max_payload
         self.allocate: Callable[[int], bytearray] = allocate or bytearray
+        self.place = place
         self.version: int | None = None
         self._stage = bytearray(_STAGING)
         self._r = 0
         self._w = 0
-        self._big: bytearray | None = None
+        # the large payload being received: its buffer (the whole payload, or
+        # a placed view of the chunk bytes only) and how much of it is filled
+        self._big: memoryview | None = None
         self._big_filled = 0
         self._big_hdr: tuple[int, int, int] = (0, 0, 0)
+        self._big_head: DataHead | None = None  # set when ``_big`` is a placed view
+        self._hasher: Any = None  # xxh3 state over the chunk bytes of a large DATA frame
+        self._hash_from = 0  # where the chunk bytes start in ``_big``
+        self._skip = 0  # bytes of a discarded payload still to read and drop
+        self._peek = False  # next staging read small (see get_buffer)
         self._events: list[Message] = []
+        self.on_message: Callable[[Message], None] | None = None
         self._failed: Exception | None = None
 
     # ---- input -------------------------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """A writable buffer for the next bytes (never empty)."""
+        if self._skip:
+            return memoryview(self._stage)[: min(self._skip, len(self._stage))]
         if self._big is not None:
-            return memoryview(self._big)[self._big_filled :]
+            end = len(self._big)
+            if self._hasher is not None:  # pieces small enough to hash while in cache
+                end = min(end, self._big_filled + _PIECE)
+            return self._big[self._big_filled : end]
         if self._w == len(self._stage):
             self._compact()
+        if self._peek:  # right after a large payload: likely another one's header
+            return memoryview(self._stage)[self._w : self._w + _PEEK]
         return memoryview(self._stage)[self._w :]
 
     def buffer_updated(self, nbytes: int) -> list[Message]:
@@ -94,13 +137,16 @@ class FrameDecoder:
         if self._failed is not None:
             raise self._failed
         try:
-            if self._big is not None:
-                self._big_filled += nbytes
-                if self._big_filled == len(self._big):
-                    ftype, flags, _ = self._big_hdr
-                    payload = self._big
-                    self._big = None
-                    self._emit(ftype, flags, memoryview(payload))
+            self._peek = False
+            if self._skip:
+                self._skip -= nbytes
+            elif self._big is not None:
+                big, f0 = self._big, self._big_filled
+                self._big_filled = f1 = f0 + nbytes
+                if self._hasher is not None and f1 > self._hash_from:
+                    self._hasher.update(big[max(f0, self._hash_from) : f1])
+                if f1 == len(big):
+                    self._finish_big()
             else:
                 self._w += nbytes
             self._parse()
@@ -109,6 +155,14 @@ class FrameDecoder:
             raise
         out, self._events = self._events, []
         return out
+
+    def discard_current(self) -> None:
+        """Drop the rest of the large payload being received (its frame is not
+        emitted): after this, no byte is written into its buffer, which matters
+        when that buffer is a placed view whose owner is going away."""
+        if self._big is not None:
+            self._skip = len(self._big) - self._big_filled
+            self._big, self._big_head, self._hasher = None, None, None
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         """Feed bytes (any split); returns the completed messages."""
@@ -147,7 +201,7 @@ class FrameDecoder:
             raise FrameTooLarge(f"frame of {length} bytes exceeds the limit of {self.max_payload}")
 
     def _parse(self) -> None:
-        while self._big is None and self._w - self._r >= HEADER_SIZE:
+        while self._big is None and not self._skip and self._w - self._r >= HEADER_SIZE:
             magic, version, ftype, flags, length = HEADER.unpack_from(self._stage, self._r)
             if magic != MAGIC:
                 raise RemoteProtocolError(f"bad frame magic {magic:#010x}")
@@ -155,22 +209,114 @@ class FrameDecoder:
             avail = self._w - self._r - HEADER_SIZE
             start = self._r + HEADER_SIZE
             if avail >= length:
+                if (
+                    ftype == FrameType.DATA
+                    and length >= _PLACE_MIN
+                    and self._place_whole(flags, start, length)
+                ):
+                    continue
                 payload = bytes(self._stage[start : start + length])
                 self._r = start + length
                 self._emit(ftype, flags, memoryview(payload))
             elif length + HEADER_SIZE <= len(self._stage) // 4:
-                if self._r + HEADER_SIZE + length > len(self._stage):
-                    self._compact()
+                self._wait_for(length)
+                return
+            elif ftype == FrameType.DATA and avail < DATA_HEADER_SIZE:
+                self._wait_for(DATA_HEADER_SIZE)  # the chunk header first, to place the bytes
                 return
             else:
-                big = self.allocate(length)
-                big[:avail] = self._stage[start : start + avail]
-                self._big, self._big_filled = big, avail
-                self._big_hdr = (ftype, flags, length)
-                self._r = self._w = 0
+                self._start_big(ftype, flags, length, start, avail)
                 return
         if self._r == self._w:
             self._r = self._w = 0
 
+    def _wait_for(self, n: int) -> None:
+        """Make room for ``n`` payload bytes after the header at ``_r``."""
+        if self._r + HEADER_SIZE + n > len(self._stage):
+            self._compact()
+
+    def _place_whole(self, flags: int, start: int, length: int) -> bool:
+        """A whole DATA frame sits in the staging buffer: copy its chunk bytes
+        straight to where ``place`` says (one copy instead of two)."""
+        if self.place is None or flags & FLAGS_CRITICAL_MASK:
+            return False
+        head = decode_data_head(self._stage, start)
+        prefix = length - head.wire_length
+        if prefix < DATA_HEADER_SIZE:
+            return False  # decode_payload reports it
+        view = self.place(head)
+        if view is None:
+            return False
+        if len(view) != head.wire_length:
+            raise ValueError(f"place() gave {len(view)} bytes for {head.wire_length}")
+        view[:] = self._stage[start + prefix : start + length]
+        self._r = start + length
+        self._deliver(self._placed(head, view, xxhash.xxh3_64_intdigest(view)))
+        return True
+
+    @staticmethod
+    def _placed(head: DataHead, view: memoryview, digest: int) -> Data:
+        return Data(
+            head.transfer_id, head.seq, head.offset, head.raw_length, head.codec, head.shuffle,
+            head.checksum, view, digest=digest, placed=True,
+        )  # fmt: skip
+
+    def _start_big(self, ftype: int, flags: int, length: int, start: int, avail: int) -> None:
+        stage = self._stage
+        self._big_hdr = (ftype, flags, length)
+        self._big_head, self._hasher, self._hash_from = None, None, 0
+        head = None
+        if ftype == FrameType.DATA:
+            head = decode_data_head(stage, start)
+            prefix = length - head.wire_length
+            if prefix < DATA_HEADER_SIZE:
+                raise RemoteProtocolError(
+                    f"DATA wire length {head.wire_length} exceeds payload of {length} bytes"
+                )
+            self._hasher, self._hash_from = xxhash.xxh3_64(), prefix
+            if (
+                self.place is not None
+                and prefix <= avail
+                and not flags & FLAGS_CRITICAL_MASK
+                and (view := self.place(head)) is not None
+            ):
+                if len(view) != head.wire_length:
+                    raise ValueError(f"place() gave {len(view)} bytes for {head.wire_length}")
+                n = avail - prefix
+                view[:n] = stage[start + prefix : start + avail]
+                self._hasher.update(view[:n])
+                self._big, self._big_filled, self._big_head = view, n, head
+                self._hash_from = 0
+                self._r = self._w = 0
+                return
+        big = memoryview(self.allocate(length))
+        big[:avail] = stage[start : start + avail]
+        if self._hasher is not None and avail > self._hash_from:
+            self._hasher.update(big[self._hash_from : avail])
+        self._big, self._big_filled = big, avail
+        self._r = self._w = 0
+
+    def _finish_big(self) -> None:
+        self._peek = True  # read the next header alone: its payload may be placed
+        big, head, hasher = self._big, self._big_head, self._hasher
+        ftype, flags, _ = self._big_hdr
+        self._big, self._big_head, self._hasher = None, None, None
+        assert big is not None
+        digest = None if hasher is None else hasher.intdigest()
+        if head is not None:  # placed: the chunk bytes are already where they belong
+            assert digest is not None
+            self._deliver(self._placed(head, big, digest))
+            return
+        m = decode_payload(ftype, flags, big)
+        if digest is not None and isinstance(m, Data):
+            m = dataclasses.replace(m, digest=digest)
+        self._deliver(m)
+
     def _emit(self, ftype: int, flags: int, payload: memoryview) -> None:
-        self._events.append(decode_payload(ftype, flags, payload))
+        self._deliver(decode_payload(ftype, flags, payload))
+
+    def _deliver(self, m: Message) -> None:
+        if self.on_message is None:
+            self._events.append(m)
+        else:
+            self.on_message(m)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..errors import RemoteProtocolError, UnknownFrame
 
@@ -183,6 +184,11 @@ class Data:
     shuffle: int
     checksum: int
     data: memoryview | bytes = field(repr=False)
+    # set by a receiving FrameDecoder, never encoded: the XXH3-64 of ``data``
+    # computed as the bytes arrived (None: not computed), and whether ``data``
+    # is a view of the destination that a placement callback handed out
+    digest: int | None = field(default=None, repr=False, compare=False)
+    placed: bool = field(default=False, repr=False, compare=False)
 
     @property
     def wire_length(self) -> int:
@@ -256,6 +262,26 @@ _COMPLETE = struct.Struct("<QQ")
 _ERROR = struct.Struct("<H")
 _STRLEN = struct.Struct("<H")
 DATA_HEADER_SIZE = _DATA.size
+
+
+class DataHead(NamedTuple):
+    """The fixed part of a DATA payload (what a receiver needs to decide where
+    the chunk bytes should land before they arrive)."""
+
+    transfer_id: int
+    seq: int
+    offset: int
+    raw_length: int
+    wire_length: int
+    codec: int
+    shuffle: int
+    checksum: int
+
+
+def decode_data_head(buf: bytes | bytearray | memoryview, pos: int = 0) -> DataHead:
+    """The :class:`DataHead` at ``buf[pos:]`` (at least DATA_HEADER_SIZE bytes)."""
+    tid, seq, off, raw, wl, codec, shuf, _, ck = _DATA.unpack_from(buf, pos)
+    return DataHead(tid, seq, off, raw, wl, codec, shuf, ck)
 
 
 def _s(text: str) -> bytes:
