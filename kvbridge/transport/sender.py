@@ -519,52 +519,80 @@ class TcpSender:
                     self._open_on(link, t)
                 return
 
+    def _begin(self, link: _Link, t: _TxTransfer, idx: int) -> _Job:
+        """Claim chunk ``idx`` for ``link`` and start preparing it."""
+        t.inflight[idx] = link
+        fut = asyncio.ensure_future(self._prepare(t, idx))
+        fut.add_done_callback(_retrieve)
+        return t, idx, fut
+
+    def _unclaim(self, link: _Link, job: _Job) -> None:
+        t, idx, fut = job
+        fut.cancel()
+        if t.inflight.get(idx) is link:
+            del t.inflight[idx]
+        t.requeue(idx)
+        self.scheduler.wake()
+
     async def _writer(self, link: _Link) -> None:
+        """Send chunks on one connection.  The next chunk is picked and
+        prepared (packed, compressed, checksummed) while the previous one
+        drains, so the socket never waits for the CPU work."""
         conn = link.conn
-        while not conn.closed:
-            item = await self.scheduler.next()
-            t, idx = item
-            assert isinstance(t, _TxTransfer)
-            if conn.closed:
-                t.requeue(idx)
-                self.scheduler.wake()
-                return
-            t.inflight[idx] = link
-            try:
-                wire, ck, raw_n = await self._prepare(t, idx)
-            except Exception as e:
-                t.inflight.pop(idx, None)
-                err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"source failed: {e!r}")
-                self._finish(t, err, ErrorCode.SOURCE_ERROR)
-                continue
-            if t.finished or idx in t.acked or t.inflight.get(idx) is not link:
-                continue
-            if conn.closed:
-                t.inflight.pop(idx, None)
-                t.requeue(idx)
-                self.scheduler.wake()
-                return
-            assert t.decision is not None
-            off = idx * t.grid.chunk_size
-            try:
-                tid = self._open_on(link, t)
-                conn.send(
-                    Data(tid, idx, off, raw_n, t.decision.codec, t.decision.shuffle, ck, wire)
-                )
-            except KVBridgeError:
-                t.inflight.pop(idx, None)
-                t.requeue(idx)
-                self.scheduler.wake()
-                return
-            st = t.handle.stats
-            st.wire_bytes += len(wire)
-            st.chunks_sent += 1
-            t.links_used.add(id(link))
-            st.streams = len(t.links_used)
-            try:
-                await conn.drain()
-            except KVBridgeError:
-                return
+        ahead: _Job | None = None
+        try:
+            while not conn.closed:
+                if ahead is None:
+                    t, idx = await self.scheduler.next()
+                    assert isinstance(t, _TxTransfer)
+                    ahead = self._begin(link, t, idx)
+                job, ahead = ahead, None
+                t, idx, fut = job
+                try:
+                    wire, ck, raw_n = await fut
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    t.inflight.pop(idx, None)
+                    err = (
+                        e
+                        if isinstance(e, KVBridgeError)
+                        else KVBridgeError(f"source failed: {e!r}")
+                    )
+                    self._finish(t, err, ErrorCode.SOURCE_ERROR)
+                    continue
+                if t.finished or idx in t.acked or t.inflight.get(idx) is not link:
+                    continue
+                if conn.closed:
+                    self._unclaim(link, job)
+                    return
+                assert t.decision is not None
+                off = idx * t.grid.chunk_size
+                try:
+                    tid = self._open_on(link, t)
+                    conn.send(
+                        Data(tid, idx, off, raw_n, t.decision.codec, t.decision.shuffle, ck, wire)
+                    )
+                except KVBridgeError:
+                    self._unclaim(link, job)
+                    return
+                st = t.handle.stats
+                st.wire_bytes += len(wire)
+                st.chunks_sent += 1
+                t.links_used.add(id(link))
+                st.streams = len(t.links_used)
+                got = self.scheduler.pick()
+                if got is not None:
+                    nt, nidx = got
+                    assert isinstance(nt, _TxTransfer)
+                    ahead = self._begin(link, nt, nidx)
+                try:
+                    await conn.drain()
+                except KVBridgeError:
+                    return
+        finally:
+            if ahead is not None:
+                self._unclaim(link, ahead)
 
     async def _prepare(self, t: _TxTransfer, idx: int) -> tuple[Any, int, int]:
         loop = asyncio.get_running_loop()
@@ -672,6 +700,15 @@ class TcpSender:
             t.handle.stats.seconds = time.perf_counter() - t.handle._t0
             self.policy.observe_goodput(t.grid.total, t.handle.stats.seconds)
         t.handle._resolve(exc)
+
+
+_Job = tuple[_TxTransfer, int, "asyncio.Future[tuple[Any, int, int]]"]
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """An abandoned preparation's error is not worth a warning."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _clamp(d: CompressionDecision, caps: int) -> CompressionDecision:
