@@ -154,6 +154,10 @@ class _TxTransfer:
     def has_pending(self) -> bool:
         return bool(self._pending) and not self.finished
 
+    @property
+    def pending_chunks(self) -> int:
+        return 0 if self.finished else len(self._pending)
+
     def pop_pending(self) -> int:
         while True:
             idx = heapq.heappop(self._heap)
@@ -526,6 +530,14 @@ class TcpSender:
         fut.add_done_callback(_retrieve)
         return t, idx, fut
 
+    def _plenty_left(self) -> bool:
+        n = len(self._links)
+        for t in self._active:
+            n -= t.pending_chunks
+            if n < 0:
+                return True
+        return False
+
     def _unclaim(self, link: _Link, job: _Job) -> None:
         t, idx, fut = job
         fut.cancel()
@@ -581,7 +593,10 @@ class TcpSender:
                 st.chunks_sent += 1
                 t.links_used.add(id(link))
                 st.streams = len(t.links_used)
-                got = self.scheduler.pick()
+                # the next chunk, unless the work is nearly done: then the last
+                # chunks go to whichever connection frees up first (no tail
+                # waiting behind a connection that was handed two of them)
+                got = self.scheduler.pick() if self._plenty_left() else None
                 if got is not None:
                     nt, nidx = got
                     assert isinstance(nt, _TxTransfer)
