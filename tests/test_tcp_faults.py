@@ -15,6 +15,7 @@ from tcp_support import FaultProxy, OnceSink, PlacedSink, arun
 from kvbridge.errors import Cancelled, PeerGone, ResourceLimit, TransferAborted
 from kvbridge.transport.conn import FrameConnection
 from kvbridge.transport.kvio import BytesSink, BytesSource
+from kvbridge.transport.receiver import ExpectHandle
 from kvbridge.transport.sender import TcpSender, _TxTransfer
 from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver
 from kvbridge.wire import ClientHandshake, FrameDecoder, encode_frame
@@ -326,19 +327,28 @@ def test_refused_connection_is_peer_gone_after_the_deadline() -> None:
     arun(main())
 
 
+async def lent_sink_transfer(
+    size: int,
+) -> tuple[TcpReceiver, PlacedSink, ExpectHandle, asyncio.StreamReader, asyncio.StreamWriter]:
+    """A receiver expecting ``size`` bytes into a sink that lends its memory,
+    and a raw client that has opened the transfer (transfer id 1)."""
+    rx = await TcpReceiver().start()
+    sink = PlacedSink(size)
+    h = rx.expect("r", sink)
+    r, w = await raw_client(rx.port)
+    while not any(c.peer for c in rx._conns):  # the receiver finished its handshake
+        await asyncio.sleep(0.001)
+    w.write(encode_frame(Open(1, h.token, 0, size, size, 0, 0, 0, 0, 0, 0, "r")))
+    return rx, sink, h, r, w
+
+
 def test_cancel_mid_chunk_stops_writes_into_a_lent_sink() -> None:
     """A chunk being read straight into the sink when the engine cancels: not
     one more byte lands there (the engine may reuse those pages at once)."""
 
     async def main() -> None:
-        rx = await TcpReceiver().start()
         size = 2 * MiB
-        sink = PlacedSink(size)
-        h = rx.expect("r", sink)
-        _r, w = await raw_client(rx.port)
-        while not any(c.peer for c in rx._conns):  # the receiver finished its handshake
-            await asyncio.sleep(0.001)
-        w.write(encode_frame(Open(1, h.token, 0, size, size, 0, 0, 0, 0, 0, 0, "r")))
+        rx, sink, h, _r, w = await lent_sink_transfer(size)
         payload = b"\xab" * size
         frame = encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload), payload))
         w.write(frame[:MiB])
@@ -363,14 +373,8 @@ def test_cancel_mid_chunk_stops_writes_into_a_lent_sink() -> None:
 
 def test_damaged_chunk_read_into_a_lent_sink_is_not_acknowledged() -> None:
     async def main() -> None:
-        rx = await TcpReceiver().start()
         size = MiB
-        sink = PlacedSink(size)
-        h = rx.expect("r", sink)
-        r, w = await raw_client(rx.port)
-        while not any(c.peer for c in rx._conns):  # the receiver finished its handshake
-            await asyncio.sleep(0.001)
-        w.write(encode_frame(Open(1, h.token, 0, size, size, 0, 0, 0, 0, 0, 0, "r")))
+        rx, sink, h, r, w = await lent_sink_transfer(size)
         payload = os.urandom(size)
         w.write(encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload) ^ 1, payload)))
         dec = FrameDecoder()

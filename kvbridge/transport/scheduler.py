@@ -2,8 +2,9 @@
 
 ``srpt`` (the default) picks the transfer with the highest priority, then the
 fewest bytes left to send, then the oldest; so a 1 MiB transfer that arrives
-while a 2 GiB one streams goes out within one chunk per stream.  ``fifo``
-sends transfers in arrival order (the baseline the benchmark compares with).
+while a 2 GiB one streams goes out within two chunks per stream (the one being
+written, the one being prepared).  ``fifo`` sends transfers in arrival order
+(the baseline the benchmark compares with).
 """
 
 from __future__ import annotations
