@@ -355,3 +355,37 @@ def test_sender_memory_bounded_when_the_receiver_is_slow() -> None:
         await rx.close()
 
     arun(main(), 60)
+
+
+@pytest.mark.parametrize(
+    "chunk_size, link_Bps, streams, expect",
+    [
+        (None, None, 4, 4 * MiB),  # link unknown: the largest
+        (None, 125e6, 4, 768 * KiB),  # 1 Gbit/s over 4 streams: ~30 ms of one stream
+        (None, 125e6, 1, 3 * MiB + 512 * KiB),
+        (None, 10e9, 4, 4 * MiB),  # fast link: capped
+        (None, 1e6, 4, 256 * KiB),  # slow link: floored
+        (MiB, 125e6, 4, MiB),  # configured: fixed
+    ],
+)
+def test_chunk_size_fitted_to_the_link(
+    chunk_size: int | None, link_Bps: float | None, streams: int, expect: int
+) -> None:
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        policy = CompressionPolicy("off", link_Bps=link_Bps)
+        tx = TcpSender(
+            "127.0.0.1", rx.port, streams=streams, chunk_size=chunk_size, compression=policy
+        )
+        data = os.urandom(5 * MiB + 1)
+        sink = BytesSink(len(data))
+        h = rx.expect("r", sink)
+        stats = await tx.send("r", BytesSource(data), token=h.token).wait(20)
+        await h.wait(20)
+        assert bytes(sink.data) == data
+        assert stats.chunk_size == expect
+        assert h.stats["chunks"] == stats.chunks_sent == -(-len(data) // expect)
+        await tx.close()
+        await rx.close()
+
+    arun(main())

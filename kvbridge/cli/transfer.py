@@ -24,6 +24,10 @@ from ..transport.tcp import run as run_loop
 MiB = 1 << 20
 
 
+def _chunk(args: argparse.Namespace) -> int | None:
+    return None if args.chunk_kib is None else args.chunk_kib * 1024
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("mode", nargs="?", default="local", choices=["local", "serve"])
     p.add_argument("--connect", metavar="HOST:PORT:RAWPORT", help="a remote `serve`")
@@ -32,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw-port", type=int, default=0, help="serve: raw baseline port")
     p.add_argument("--bytes-mib", type=int, default=256, help="goodput transfer size")
     p.add_argument("--streams", type=int, default=4)
-    p.add_argument("--chunk-kib", type=int, default=4096)
+    p.add_argument(
+        "--chunk-kib", type=int, default=None,
+        help="fixed chunk size (default: fitted to the measured link, at most 4096)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--compression", default="auto", choices=["auto", "off", "lz4", "zstd"])
     p.add_argument(
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                         bm.measure_goodput(
                             h, port, raw_port,
                             nbytes=args.bytes_mib * MiB, streams=args.streams,
-                            chunk_size=args.chunk_kib * 1024, repeats=args.repeats,
+                            chunk_size=_chunk(args), repeats=args.repeats,
                             compression=args.compression, progress=prog, psk=psk,
                             data_kind=args.data,
                         )
@@ -125,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                                 bm.measure_latency(
                                     h, port, big_bytes=args.big_mib * MiB,
                                     small_bytes=args.small_kib * 1024, count=args.count,
-                                    streams=args.streams, chunk_size=args.chunk_kib * 1024,
+                                    streams=args.streams, chunk_size=_chunk(args),
                                     scheduler=policy, progress=prog, psk=psk,
                                 )
                             )

@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs per row (median)")
     p.add_argument("--streams", default="1,2,4,8", help="stream counts to sweep (default chunk)")
-    p.add_argument("--chunks-kib", default="256,1024,4096,8192", help="chunk sizes (4 streams)")
+    p.add_argument(
+        "--chunks-kib", default="256,1024,4096,8192", help="fixed chunk sizes (4 streams)"
+    )
     p.add_argument("--quick", action="store_true", help="one WAN point, a short sweep")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -49,7 +51,7 @@ def _point(spec: str) -> tuple[float, float, float]:
     return parse_rate(rate), parse_time(rtt) * 1e3, parse_fraction(loss)
 
 
-Row = tuple[int, int, str, str]  # streams, chunk KiB, compression, data
+Row = tuple[int, int, str, str]  # streams, chunk KiB (0: the default, fitted), compression, data
 
 
 def _rows(args: argparse.Namespace) -> list[Row]:
@@ -57,10 +59,10 @@ def _rows(args: argparse.Namespace) -> list[Row]:
     chunks = [int(x) for x in args.chunks_kib.split(",")]
     if args.quick:
         streams, chunks = [1, 4], [4096]
-    rows: list[Row] = [(s, 4096, "off", "random") for s in streams]
-    rows += [(4, c, "off", "random") for c in chunks if c != 4096]
+    rows: list[Row] = [(s, 0, "off", "random") for s in streams]
+    rows += [(4, c, "off", "random") for c in chunks]
     # real KV (the reference decoder's bf16 cache): raw, then adaptive compression
-    rows += [(4, 4096, "off", "kv"), (4, 4096, "auto", "kv")]
+    rows += [(4, 0, "off", "kv"), (4, 0, "auto", "kv")]
     return rows
 
 
@@ -94,15 +96,17 @@ def measure_point(
                     "a",
                     [py, "-m", "kvbridge.cli.transfer", "--connect", target,
                      "--skip", "latency", "--skip", "compression", "--bytes-mib", str(mib),
-                     "--streams", str(streams), "--chunk-kib", str(chunk_kib), "--repeats", str(repeats),
-                     "--compression", comp, "--data", data, "--json", "--no-progress"],
+                     "--streams", str(streams), "--repeats", str(repeats),
+                     "--compression", comp, "--data", data, "--json", "--no-progress",
+                     *(["--chunk-kib", str(chunk_kib)] if chunk_kib else [])],
                     timeout=300, capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 g = json.loads(res.stdout.strip().splitlines()[-1])["goodput"]
                 out.append(
                     {
                         "streams": streams,
-                        "chunk_kib": chunk_kib,
+                        "chunk_kib": g["chunk_size"] // 1024,  # the last run's
+                        "chunk_auto": not chunk_kib,
                         "compression": comp,
                         "data": data,
                         "kvbridge_of_line": g["kvbridge_GBps"] * 8e9 / rate_bps,
@@ -115,6 +119,10 @@ def measure_point(
             srv.terminate()
             srv.wait(10)
     return out
+
+
+def _chunk_label(r: dict[str, Any]) -> str:
+    return ("~" if r.get("chunk_auto") else "") + f"{r['chunk_kib']}Ki"
 
 
 def _decision(d: dict[str, Any]) -> str:
@@ -144,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
+    print("chunk ~N: the default, fitted to the link (the size its last run used)")
     for pt in results:
         print(
             f"WAN {pt['rate_bps'] / 1e9:g} Gbit/s, RTT {pt['rtt_ms']:g} ms, loss {pt['loss'] * 100:g}%"
@@ -155,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         )
         for r in pt["rows"]:
             print(
-                f"  {r['streams']:>7} {r['chunk_kib']:>6}Ki {r['compression']:>6} {r['data']:>7} "
+                f"  {r['streams']:>7} {_chunk_label(r):>8} {r['compression']:>6} {r['data']:>7} "
                 f"{r['kvbridge_of_line']:>9.2f} {r['raw_same_streams_of_line']:>12.2f}  "
                 + _decision(r["decision"])
             )

@@ -71,6 +71,8 @@ __all__ = ["SendHandle", "SendStats", "TcpSender"]
 
 DEFAULT_STREAMS = 4
 DEFAULT_CHUNK = 4 << 20
+MIN_AUTO_CHUNK = 256 << 10
+CHUNK_SECONDS = 0.03  # auto chunk size: about this long on one stream at the measured rate
 INLINE_BYTES = 1 << 20  # chunk work up to this size runs on the event loop
 _FATAL_HANDSHAKE = (AuthenticationError, IncompatiblePeer, VersionMismatch)
 
@@ -83,6 +85,7 @@ class SendStats:
     chunks_sent: int = 0
     retries: int = 0  # chunks sent again (NACK or a dropped connection)
     streams: int = 0  # connections that carried this transfer's data
+    chunk_size: int = 0
     compression: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -195,7 +198,7 @@ class TcpSender:
         port: int,
         *,
         streams: int = DEFAULT_STREAMS,
-        chunk_size: int = DEFAULT_CHUNK,
+        chunk_size: int | None = None,
         identity: str = "kvbridge-sender",
         compat_hash: int = 0,
         psk: bytes | None = None,
@@ -214,10 +217,13 @@ class TcpSender:
     ) -> None:
         if streams < 1:
             raise InvalidArgument("streams must be >= 1")
-        if not 0 < chunk_size <= DEFAULT_MAX_FRAME - DATA_HEADER_SIZE:
+        if chunk_size is not None and not 0 < chunk_size <= DEFAULT_MAX_FRAME - DATA_HEADER_SIZE:
             raise InvalidArgument(
                 f"chunk_size must be in (0, {DEFAULT_MAX_FRAME - DATA_HEADER_SIZE}]"
             )
+        # None: fitted to the link per transfer (see _fit_chunk), at most DEFAULT_CHUNK
+        self.auto_chunk = chunk_size is None
+        chunk_size = DEFAULT_CHUNK if chunk_size is None else chunk_size
         self.host, self.port = host, port
         self.streams = streams
         self.chunk_size = chunk_size
@@ -432,7 +438,8 @@ class TcpSender:
         if t.finished:
             return
         # a receiver may accept smaller frames than our chunk size
-        chunk = min(self.chunk_size, self._peer_max_frame - DATA_HEADER_SIZE)
+        chunk = min(self._fit_chunk(), self._peer_max_frame - DATA_HEADER_SIZE)
+        t.handle.stats.chunk_size = chunk
         if chunk != t.grid.chunk_size:
             t.set_chunk_size(chunk)
         # OPEN at once on one connection: the receiver checks the token now,
@@ -444,6 +451,21 @@ class TcpSender:
                 break
         self.scheduler.add(t)
         self._kick(t)
+
+    def _fit_chunk(self) -> int:
+        """The chunk size for a new transfer.  Fixed when one was configured;
+        else the largest multiple of 256 KiB (at least 256 KiB, at most 4 MiB)
+        that one stream moves in about CHUNK_SECONDS at the link rate
+        (configured, or measured on earlier transfers; unknown: 4 MiB).  Small
+        chunks on a slow link keep the last chunks from straggling on one
+        stream and a small transfer from waiting long behind a large one; large
+        chunks on a fast link keep the per-chunk costs down."""
+        link = self.policy.link_Bps or self.policy.measured_link_Bps
+        if not self.auto_chunk or not link:
+            return self.chunk_size
+        per_stream = link / max(1, self.streams)
+        fit = int(per_stream * CHUNK_SECONDS) // MIN_AUTO_CHUNK * MIN_AUTO_CHUNK
+        return max(MIN_AUTO_CHUNK, min(self.chunk_size, fit))
 
     def send_control(self, type: int, payload: bytes, flags: int = 0) -> None:
         """Send a CONTROL frame on one live connection."""
