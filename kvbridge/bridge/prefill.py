@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import IncompatiblePeer, InvalidArgument, Unavailable
 from ..pack import PagedKVCache
 from ..transport.kvio import KVSource
-from ..transport.sender import DEFAULT_CHUNK, DEFAULT_STREAMS, TcpSender
+from ..transport.sender import DEFAULT_STREAMS, TcpSender
 from .handles import Delivery, DeliveryStats, MultiSend
 from .layerwise import LayerwiseSource
 from .ticket import Ticket, TicketTransport
@@ -28,7 +28,7 @@ class PeerConfig:
     port: int = 0
     metadata: bytes = b""  # UCX: the decode's registration blob
     streams: int = DEFAULT_STREAMS
-    chunk_size: int = DEFAULT_CHUNK
+    chunk_size: int | None = None  # None: fitted to the link (TcpSender), at most 4 MiB
     compression: str = "auto"
     psk: bytes | None = None
     ssl: _ssl.SSLContext | None = None
