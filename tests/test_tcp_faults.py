@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tcp_support import FaultProxy, OnceSink, PlacedSink, arun
 
-from kvbridge.errors import Cancelled, PeerGone, ResourceLimit, TransferAborted
+from kvbridge.errors import Cancelled, InvalidArgument, PeerGone, ResourceLimit, TransferAborted
 from kvbridge.transport.conn import FrameConnection
 from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.receiver import ExpectHandle
@@ -387,6 +387,33 @@ def test_damaged_chunk_read_into_a_lent_sink_is_not_acknowledged() -> None:
         await h.wait(5)
         assert bytes(sink.data) == payload and len(sink.views) == 2
         w.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_a_sink_whose_view_fails_fails_its_transfer_only() -> None:
+    class BadView(BytesSink):
+        def view(self, offset: int, n: int) -> memoryview:
+            return memoryview(bytes(n))  # read-only: not a place to receive into
+
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=256 * KiB)
+        bad = rx.expect("bad", BadView(MiB))
+        s = tx.send("bad", BytesSource(bytes(MiB)), token=bad.token)
+        with pytest.raises(TransferAborted) as ei:
+            await s.wait(10)
+        assert ei.value.code == ErrorCode.SINK_ERROR
+        with pytest.raises(InvalidArgument):
+            await bad.wait(1)
+        data = os.urandom(MiB)  # the connections and other transfers carry on
+        good = PlacedSink(MiB)
+        h = rx.expect("good", good)
+        await tx.send("good", BytesSource(data), token=h.token).wait(10)
+        await h.wait(10)
+        assert bytes(good.data) == data
+        await tx.close()
         await rx.close()
 
     arun(main())

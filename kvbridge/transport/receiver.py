@@ -441,7 +441,14 @@ class TcpReceiver:
             return None  # _on_data rejects it
         if idx != h.seq or h.wire_length != h.raw_length or idx in t.held or idx in t.writing:
             return None
-        out: memoryview = view(h.offset, h.raw_length)
+        try:
+            out: memoryview = view(h.offset, h.raw_length)
+            if len(out) != h.raw_length or out.readonly:
+                raise InvalidArgument(f"sink.view gave {len(out)} bytes, readonly={out.readonly}")
+        except Exception as e:
+            err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"sink.view failed: {e!r}")
+            self._finish(t, err, ErrorCode.SINK_ERROR)
+            return None
         t.writing[idx] = {conn: h.transfer_id}
         t.placing[conn] = idx
         return out
