@@ -238,21 +238,27 @@ class FrameDecoder:
     def _place_whole(self, flags: int, start: int, length: int) -> bool:
         """A whole DATA frame sits in the staging buffer: copy its chunk bytes
         straight to where ``place`` says (one copy instead of two)."""
-        if self.place is None or flags & FLAGS_CRITICAL_MASK:
-            return False
         head = decode_data_head(self._stage, start)
         prefix = length - head.wire_length
         if prefix < DATA_HEADER_SIZE:
             return False  # decode_payload reports it
-        view = self.place(head)
+        view = self._ask_place(flags, head)
         if view is None:
             return False
-        if len(view) != head.wire_length:
-            raise ValueError(f"place() gave {len(view)} bytes for {head.wire_length}")
         view[:] = self._stage[start + prefix : start + length]
         self._r = start + length
         self._deliver(self._placed(head, view, xxhash.xxh3_64_intdigest(view)))
         return True
+
+    def _ask_place(self, flags: int, head: DataHead) -> memoryview | None:
+        """Where ``place`` wants this chunk (never for unknown critical flags:
+        decode_payload rejects those frames)."""
+        if self.place is None or flags & FLAGS_CRITICAL_MASK:
+            return None
+        view = self.place(head)
+        if view is not None and len(view) != head.wire_length:
+            raise ValueError(f"place() gave {len(view)} bytes for {head.wire_length}")
+        return view
 
     @staticmethod
     def _placed(head: DataHead, view: memoryview, digest: int) -> Data:
@@ -274,14 +280,7 @@ class FrameDecoder:
                     f"DATA wire length {head.wire_length} exceeds payload of {length} bytes"
                 )
             self._hasher, self._hash_from = xxhash.xxh3_64(), prefix
-            if (
-                self.place is not None
-                and prefix <= avail
-                and not flags & FLAGS_CRITICAL_MASK
-                and (view := self.place(head)) is not None
-            ):
-                if len(view) != head.wire_length:
-                    raise ValueError(f"place() gave {len(view)} bytes for {head.wire_length}")
+            if prefix <= avail and (view := self._ask_place(flags, head)) is not None:
                 n = avail - prefix
                 view[:n] = stage[start + prefix : start + avail]
                 self._hasher.update(view[:n])
