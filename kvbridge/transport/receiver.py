@@ -347,7 +347,7 @@ class TcpReceiver:
             t.attached.pop(conn, None)
             idx = t.placing.pop(conn, None)
             if idx is not None:  # the chunk was cut off mid-frame: it is needed again
-                self._unwrite(t, idx, conn)
+                self._renack(t, idx, ErrorCode.CHECKSUM)
 
     # ---- frames --------------------------------------------------------------------------
     def _on_message(self, conn: FrameConnection, m: Message) -> None:
@@ -453,13 +453,19 @@ class TcpReceiver:
         t.placing[conn] = idx
         return out
 
-    def _unwrite(self, t: _RxTransfer, idx: int, conn: FrameConnection) -> None:
-        """A chunk read into the sink from ``conn`` is not there after all:
-        duplicates that waited on it are asked for again."""
+    def _renack(self, t: _RxTransfer, idx: int, code: int) -> None:
+        """Chunk ``idx`` did not make it into the sink: every live connection
+        that sent it (duplicates included) is asked for it again."""
+        off, n = t.grid.span(idx) if t.grid is not None else (0, 0)
         for c, tid in t.writing.pop(idx, {}).items():
-            if c is not conn and not c.closed:
-                off, n = t.grid.span(idx) if t.grid is not None else (0, 0)
-                c.send(Nack(tid, off, n, ErrorCode.CHECKSUM))
+            if not c.closed:
+                c.send(Nack(tid, off, n, code))
+
+    def _damaged(self, t: _RxTransfer, idx: int, code: int) -> None:
+        t.handle.stats["bad_chunks"] += 1
+        self._renack(t, idx, code)
+        if t.handle.stats["bad_chunks"] > self.limits.max_bad_chunks:
+            self._finish(t, ChecksumError("too many damaged chunks"), ErrorCode.CHECKSUM)
 
     def _on_placed(self, conn: FrameConnection, t: _RxTransfer, m: Data) -> None:
         """A chunk that arrived straight in the sink: verify it, then hold it."""
@@ -467,11 +473,7 @@ class TcpReceiver:
         if idx is None or t.finished or idx != m.seq:
             return
         if m.digest != m.checksum:
-            t.handle.stats["bad_chunks"] += 1
-            conn.send(Nack(m.transfer_id, m.offset, m.raw_length, ErrorCode.CHECKSUM))
-            self._unwrite(t, idx, conn)
-            if t.handle.stats["bad_chunks"] > self.limits.max_bad_chunks:
-                self._finish(t, ChecksumError("too many damaged chunks"), ErrorCode.CHECKSUM)
+            self._damaged(t, idx, ErrorCode.CHECKSUM)
             return
         t.handle.stats["placed"] += 1
         self._hold(t, idx, m)
@@ -552,14 +554,8 @@ class TcpReceiver:
             else:
                 await loop.run_in_executor(self._pool, _decode_and_write, t.sink, m)
         except ChecksumError as e:
-            waiters = t.writing.pop(idx, {})
-            t.handle.stats["bad_chunks"] += 1
             code = ErrorCode.DECOMPRESS if "decompress" in str(e) else ErrorCode.CHECKSUM
-            for c, tid in waiters.items():
-                if not c.closed:
-                    c.send(Nack(tid, m.offset, m.raw_length, code))
-            if t.handle.stats["bad_chunks"] > self.limits.max_bad_chunks:
-                self._finish(t, ChecksumError("too many damaged chunks"), ErrorCode.CHECKSUM)
+            self._damaged(t, idx, code)
             return
         except RemoteProtocolError as e:
             for c in t.writing.pop(idx, {}):
