@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -314,9 +315,38 @@ def test_cli_up_tears_down_on_sigterm() -> None:
         assert proc.stdout is not None
         info = json.loads(proc.stdout.readline())
         assert _ns_exists(info["ns_a"]) and _ns_exists(info["ns_b"])
-        proc.terminate()
+        proc.terminate()  # at once: the signal may land before the wait loop
+        proc.send_signal(signal.SIGINT)  # a second signal must not cut teardown short
         assert proc.wait(20) == 0
         assert not _ns_exists(info["ns_a"]) and not _ns_exists(info["ns_b"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+@needs_netns
+def test_cli_run_stopped_while_starting_tears_down() -> None:
+    """SIGTERM during side B's head start: status 130 and nothing left behind."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.transport.emulator", "run", "--rtt", "1ms",
+         "--stagger", "30s", "--", "true", ":::", sys.executable, "-c",
+         "import sys, time; print('b up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "b up"
+        proc.terminate()
+        assert proc.wait(20) == 130
+        mine = f"kvbemu{proc.pid}x"
+        assert not [n for n in netns_mod.stale_namespaces(include_live=True) if n.startswith(mine)]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -38,6 +38,7 @@ from .tcpproxy import parse_hostport
 from .wan import WanEmulator
 
 SEPARATOR = ":::"
+INTERRUPTED = 130  # the exit status of a run stopped by SIGINT or SIGTERM
 
 
 def _line_args(p: argparse.ArgumentParser) -> None:
@@ -66,10 +67,17 @@ def _emulator(args: argparse.Namespace) -> WanEmulator:
 
 
 def _sigterm_as_interrupt() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt once; later ones are ignored,
+    so a second signal cannot cut the teardown (bounded by its grace periods)
+    short and leave namespaces or processes behind."""
+
     def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def split_commands(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -96,14 +104,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     with _emulator(args) as emu:
         env = dict(os.environ, KVB_ADDR_A=emu.addr_a, KVB_ADDR_B=emu.addr_b)
         proc_b = None
-        if cmd_b:
-            proc_b = emu.popen("b", _subst(cmd_b, emu), env=dict(env, KVB_SIDE="b"))
-            time.sleep(args.stagger)
-        proc_a = emu.popen("a", _subst(cmd_a, emu), env=dict(env, KVB_SIDE="a"))
         try:
+            if cmd_b:
+                proc_b = emu.popen("b", _subst(cmd_b, emu), env=dict(env, KVB_SIDE="b"))
+                time.sleep(args.stagger)
+            proc_a = emu.popen("a", _subst(cmd_a, emu), env=dict(env, KVB_SIDE="a"))
             code_a = proc_a.wait()
         except KeyboardInterrupt:
-            code_a = 130
+            code_a = INTERRUPTED
         code_b = proc_b.poll() if proc_b is not None else None
         if args.stats:
             print(json.dumps(emu.stats()), file=sys.stderr)
@@ -125,15 +133,15 @@ def cmd_up(args: argparse.Namespace) -> int:
             "loss": args.loss,
             "mtu": args.mtu,
         }
-        print(json.dumps(info), flush=True)
-        print(
-            f"run: ip netns exec {emu.ns_a} CMD   (side A, {emu.addr_a})\n"
-            f"     ip netns exec {emu.ns_b} CMD   (side B, {emu.addr_b})\n"
-            "Ctrl-C to tear down",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
+        try:  # a signal may come as soon as the JSON line is out
+            print(json.dumps(info), flush=True)
+            print(
+                f"run: ip netns exec {emu.ns_a} CMD   (side A, {emu.addr_a})\n"
+                f"     ip netns exec {emu.ns_b} CMD   (side B, {emu.addr_b})\n"
+                "Ctrl-C to tear down",
+                file=sys.stderr,
+                flush=True,
+            )
             while True:
                 time.sleep(3600)
         except KeyboardInterrupt:
@@ -253,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:  # stopped while the line was still coming up
+        return INTERRUPTED
     except KVBridgeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
