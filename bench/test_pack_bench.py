@@ -106,3 +106,27 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
         "DeepSeek-V3 MLA bf16",
     ]
     assert {r["page_bytes"] for r in rows} >= {2048, 16384, 262144, 32768}
+
+
+@pytest.mark.parametrize("how", ["read", "zero-fill+read_into"])
+def test_bench_sender_chunk_prepare(benchmark: Any, how: str) -> None:
+    """What the TCP sender does per 4 MiB chunk of KV pages: pack and checksum.
+    ``read`` hands over a buffer the pack core filled; the other way zero-fills
+    a new buffer first (one more memory pass)."""
+    from kvbridge.transport.kvio import KVSource
+    from kvbridge.wire.chunk import checksum
+
+    c = setup_case(64)
+    source = KVSource(c["cache"], c["bt"], 0, c["tokens"], None)
+    n = min(4 << 20, source.nbytes)
+
+    def prepare() -> int:
+        if how == "read":
+            buf: Any = source.read(0, n)
+        else:
+            buf = bytearray(n)
+            source.read_into(0, memoryview(buf))
+        return checksum(buf)
+
+    got = benchmark(prepare)
+    assert got == checksum(ref_pack(c["cache"], c["bt"], 0, c["tokens"]).numpy()[:n])

@@ -132,3 +132,26 @@ def test_cuda_errors_leave_the_cache_alone() -> None:
     torch.cuda.synchronize()
     after = cache.tensors[0] if isinstance(cache.tensors, list) else cache.tensors
     assert torch.equal(after, before)
+
+
+def test_cuda_kv_source_and_sink_round_trip() -> None:
+    """The transport's KVSource reads GPU pages into pinned host buffers and
+    KVSink writes them back into another GPU cache, in uneven slices."""
+    from kvbridge.transport.kvio import KVSink, KVSource
+
+    cache, bt, start, end = make_case("fi-HND-fp16", seed=4)
+    ref = ref_pack(cache, bt, start, end).cpu().numpy().tobytes()
+    source = KVSource(cache, bt.numpy(), start, end, None)
+    recv = PagedKVCache.allocate(cache.layout, cache.num_pages, backend="torch", device="cuda:0")
+    sink = KVSink(recv, bt.numpy(), start, end, None)
+    step = source.nbytes // 3 + 5
+    for off in range(0, source.nbytes, step):
+        n = min(step, source.nbytes - off)
+        got = source.read(off, n)
+        assert bytes(got) == ref[off : off + n]
+        into = bytearray(n)
+        source.read_into(off, memoryview(into))
+        assert bytes(into) == ref[off : off + n]
+        sink.write(off, got)
+    sink.flush()
+    assert ref_pack(recv, bt, start, end).cpu().numpy().tobytes() == ref

@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 from tcp_support import arun
 
+from kvbridge.errors import BufferTooSmall
 from kvbridge.layout import KVLayout
-from kvbridge.transport.tcp import KVSink, KVSource, TcpReceiver, TcpSender
+from kvbridge.transport.tcp import (
+    BytesSink,
+    BytesSource,
+    KVSink,
+    KVSource,
+    TcpReceiver,
+    TcpSender,
+)
 
 pytest.importorskip("kvbridge._core")
 pack = pytest.importorskip("kvbridge.pack")
@@ -44,6 +52,58 @@ def test_kv_pages_round_trip_between_layouts(
         want = pack.pack(src, src_table, start, end, layers=layers)
         got = pack.pack(dst, dst_table, start, end, layers=layers)
         assert bytes(np.asarray(want)) == bytes(np.asarray(got))
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_kv_source_read_fills_a_fresh_buffer_like_read_into() -> None:
+    src = pack.PagedKVCache.allocate(SRC, 40, fill="random", seed=5)
+    table = np.random.default_rng(1).permutation(40)[: SRC.pages_for(500)].astype(np.int32)
+    source = KVSource(src, table, 3, 500, None)
+    want = bytes(np.asarray(pack.pack(src, table, 3, 500)))
+    for off, n in [(0, source.nbytes), (1, 4097), (source.nbytes - 7, 7), (100, 0)]:
+        got = source.read(off, n)
+        assert len(got) == n and bytes(got) == want[off : off + n]
+        into = bytearray(n)
+        source.read_into(off, memoryview(into))
+        assert bytes(into) == want[off : off + n]
+    with pytest.raises(BufferTooSmall):
+        source.read(source.nbytes - 3, 4)
+    with pytest.raises(BufferTooSmall):
+        source.read(-1, 4)
+
+
+def test_sender_takes_the_buffer_a_source_reads() -> None:
+    """A source with ``read`` is asked for each chunk through it (no zero-filled
+    buffer and read_into), and the bytes arrive intact."""
+    data = np.random.default_rng(2).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+
+    class ReadSource(BytesSource):
+        view = None  # type: ignore[assignment]
+
+        def __init__(self) -> None:
+            super().__init__(data)
+            self.reads = 0
+
+        def read(self, offset: int, n: int) -> memoryview:
+            self.reads += 1
+            return memoryview(np.frombuffer(data, np.uint8)[offset : offset + n].copy())
+
+        def read_into(self, offset: int, out: memoryview) -> None:
+            raise AssertionError("read_into used although the source offers read")
+
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2, chunk_size=64 << 10)
+        source = ReadSource()
+        sink = BytesSink(len(data))
+        h = rx.expect("r", sink)
+        await tx.send("r", source, token=h.token, compression="off").wait(30)
+        await h.wait(30)
+        assert bytes(sink.data) == data
+        assert source.reads == 5  # ceil(300_000 / 64 KiB)
         await tx.close()
         await rx.close()
 

@@ -55,9 +55,11 @@ class LayerwiseSource(KVSource):
             self._cancelled = True
             self._cond.notify_all()
 
-    def read_into(self, offset: int, out: memoryview) -> None:
-        if self._per_layer and len(out):
-            need = self.layers[0] + (offset + len(out) - 1) // self._per_layer + 1
+    def _pack_to(self, out: Any, offset: int, n: int) -> None:
+        """Both ``read`` and ``read_into`` pack through here: wait until every
+        layer that the slice touches is ready."""
+        if self._per_layer and n:
+            need = self.layers[0] + (offset + n - 1) // self._per_layer + 1
             deadline = time.monotonic() + self.layer_timeout
             with self._cond:
                 while self._ready < need and not self._cancelled:
@@ -69,4 +71,4 @@ class LayerwiseSource(KVSource):
                     self._cond.wait(left)
                 if self._cancelled:
                     raise Cancelled("layer-wise send cancelled")
-        super().read_into(offset, out)
+        super()._pack_to(out, offset, n)

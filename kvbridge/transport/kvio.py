@@ -49,6 +49,15 @@ class Sink(Protocol):
         """Make every written byte visible to the engine (e.g. sync a CUDA stream)."""
 
 
+# A source may also offer either of
+#
+#     def view(self, offset: int, n: int) -> memoryview   (the bytes themselves)
+#     def read(self, offset: int, n: int) -> memoryview   (a new buffer it filled)
+#
+# ``view`` lends bytes that are already in wire form (no copy at all); ``read``
+# hands over a buffer in which the source wrote every byte, so the transport
+# need not zero-fill one for ``read_into`` first (a whole memory pass per chunk).
+#
 # A sink whose bytes are plain contiguous host memory may also offer
 #
 #     def view(self, offset: int, n: int) -> memoryview   (writable, exactly n bytes)
@@ -159,25 +168,35 @@ class _KVBase:
 class KVSource(_KVBase):
     """The wire bytes of tokens ``[start, end)`` and ``layers`` of one request,
     packed from a :class:`kvbridge.pack.PagedKVCache` through its block table.
-    A CUDA cache packs into a pinned staging buffer, then copies to ``out``."""
+    A CUDA cache packs into pinned host memory (the device-to-host copy is part
+    of the pack kernel's output), and waits for it."""
 
-    def read_into(self, offset: int, out: memoryview) -> None:
-        _check(offset, len(out), self.nbytes)
-        n = len(out)
+    def read(self, offset: int, n: int) -> memoryview:
+        """A new buffer of the bytes ``[offset, offset + n)``: the pack core
+        writes every byte, so it is not zero-filled first."""
+        _check(offset, n, self.nbytes)
         if getattr(self.cache, "is_cuda", False):
             import torch
 
             stage = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-            self._pack.pack(
-                self.cache, self.block_table, self.start, self.end,
-                layers=self.layers, out=stage, offset=offset, nbytes=n,
-            )  # fmt: skip
+            self._pack_to(stage, offset, n)
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
-            np.frombuffer(out, dtype=np.uint8)[:] = stage.numpy()
+            return stage.numpy().data  # the array keeps the pinned tensor alive
+        out = np.empty(n, dtype=np.uint8)
+        self._pack_to(out, offset, n)
+        return out.data
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        _check(offset, len(out), self.nbytes)
+        if getattr(self.cache, "is_cuda", False):
+            np.frombuffer(out, dtype=np.uint8)[:] = self.read(offset, len(out))
             return
+        self._pack_to(np.frombuffer(out, dtype=np.uint8), offset, len(out))
+
+    def _pack_to(self, out: Any, offset: int, n: int) -> None:
         self._pack.pack(
             self.cache, self.block_table, self.start, self.end,
-            layers=self.layers, out=np.frombuffer(out, dtype=np.uint8), offset=offset, nbytes=n,
+            layers=self.layers, out=out, offset=offset, nbytes=n,
         )  # fmt: skip
 
 

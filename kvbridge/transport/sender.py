@@ -637,8 +637,7 @@ class TcpSender:
         if t.decision is None:
             async with t.decide_lock:
                 if t.decision is None:
-                    raw = bytearray(n)
-                    await loop.run_in_executor(self._pool, t.source.read_into, off, memoryview(raw))
+                    raw = await loop.run_in_executor(self._pool, read_chunk, t.source, off, n)
                     d = await loop.run_in_executor(
                         self._pool,
                         self.policy.decide,
@@ -760,11 +759,18 @@ def _clamp(d: CompressionDecision, caps: int) -> CompressionDecision:
     return d
 
 
-def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:
+def read_chunk(source: Source, off: int, n: int) -> Any:
+    """The bytes ``[off, off + n)`` of ``source``, copied as little as it allows."""
     view = getattr(source, "view", None)
     if view is not None:
-        raw: Any = view(off, n)  # bytes already in wire form: no copy
-    else:
-        raw = bytearray(n)
-        source.read_into(off, memoryview(raw))
-    return encode_chunk(raw, codec, shuffle)
+        return view(off, n)  # bytes already in wire form: no copy
+    read = getattr(source, "read", None)
+    if read is not None:
+        return read(off, n)  # a buffer the source filled: no zero-fill
+    raw = bytearray(n)
+    source.read_into(off, memoryview(raw))
+    return raw
+
+
+def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:
+    return encode_chunk(read_chunk(source, off, n), codec, shuffle)
