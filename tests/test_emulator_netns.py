@@ -8,6 +8,7 @@ bound only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -301,11 +302,12 @@ def test_cli_check_run_and_cleanup() -> None:
     assert out.returncode == 0 and "deleted" in json.loads(out.stdout)
 
 
-@needs_netns
-def test_cli_up_tears_down_on_sigterm() -> None:
+@contextlib.contextmanager
+def _emulator_cli(*args: str) -> Iterator[subprocess.Popen[str]]:
+    """The emulator's command line in a child (stdout piped); killed if still up."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.transport.emulator", "up", "--rtt", "5ms"],
+        [sys.executable, "-m", "kvbridge.transport.emulator", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -313,12 +315,7 @@ def test_cli_up_tears_down_on_sigterm() -> None:
     )
     try:
         assert proc.stdout is not None
-        info = json.loads(proc.stdout.readline())
-        assert _ns_exists(info["ns_a"]) and _ns_exists(info["ns_b"])
-        proc.terminate()  # at once: the signal may land before the wait loop
-        proc.send_signal(signal.SIGINT)  # a second signal must not cut teardown short
-        assert proc.wait(20) == 0
-        assert not _ns_exists(info["ns_a"]) and not _ns_exists(info["ns_b"])
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -328,31 +325,30 @@ def test_cli_up_tears_down_on_sigterm() -> None:
 
 
 @needs_netns
+def test_cli_up_tears_down_on_sigterm() -> None:
+    with _emulator_cli("up", "--rtt", "5ms") as proc:
+        assert proc.stdout is not None
+        info = json.loads(proc.stdout.readline())
+        assert _ns_exists(info["ns_a"]) and _ns_exists(info["ns_b"])
+        proc.terminate()  # at once: the signal may land before the wait loop
+        proc.send_signal(signal.SIGINT)  # a second signal must not cut teardown short
+        assert proc.wait(20) == 0
+        assert not _ns_exists(info["ns_a"]) and not _ns_exists(info["ns_b"])
+
+
+@needs_netns
 def test_cli_run_stopped_while_starting_tears_down() -> None:
     """SIGTERM during side B's head start: status 130 and nothing left behind."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.transport.emulator", "run", "--rtt", "1ms",
-         "--stagger", "30s", "--", "true", ":::", sys.executable, "-c",
-         "import sys, time; print('b up', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )  # fmt: skip
-    try:
+    side_b = "import time; print('b up', flush=True); time.sleep(60)"
+    with _emulator_cli(
+        "run", "--rtt", "1ms", "--stagger", "30s", "--", "true", ":::", sys.executable, "-c", side_b
+    ) as proc:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "b up"
         proc.terminate()
         assert proc.wait(20) == 130
         mine = f"kvbemu{proc.pid}x"
         assert not [n for n in netns_mod.stale_namespaces(include_live=True) if n.startswith(mine)]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
 
 
 @needs_netns
