@@ -82,6 +82,10 @@ class ChecksumError(RemoteProtocolError):
     """A chunk's checksum did not match its bytes."""
 
 
+class DecompressError(ChecksumError):
+    """A chunk's body (checksum correct) did not decode to exactly its raw length."""
+
+
 class VersionMismatch(RemoteProtocolError):
     """The peer speaks a protocol version that we cannot."""
 

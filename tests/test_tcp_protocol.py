@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+import zstandard
 from tcp_support import arun
 
 from kvbridge.transport.conn import FrameConnection
@@ -17,6 +18,7 @@ from kvbridge.wire.chunk import checksum
 from kvbridge.wire.frames import (
     Abort,
     Ack,
+    ChunkCodec,
     Complete,
     Control,
     Data,
@@ -122,6 +124,71 @@ def test_control_frames_reach_their_handler() -> None:
         assert t.read_messages() == [Control(0x42, 0, b"3,2,1:snekot")]
         assert not t.closed
         t.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_a_body_that_decodes_to_the_wrong_length_is_nacked_decompress() -> None:
+    """Checksum right, zstd body one byte short: NACK DECOMPRESS (16); garbage
+    that does not decompress at all: DECOMPRESS too; a wrong checksum: CHECKSUM."""
+
+    async def main() -> None:
+        rx = TcpReceiver(keepalive_interval=60)
+        payload = os.urandom(30)
+        sink = BytesSink(30)
+        h = rx.expect("req", sink)
+        t = await handshaken(rx)
+        t.feed(encode_frame(Open(1, h.token, 0, 30, 10, 0, 0, 0, 0, 7, 0, "req")))
+        short = zstandard.ZstdCompressor(level=1).compress(payload[:9])
+        garbage = b"\x28\xb5\x2f\xfd" + b"\x00" * 12
+        for seq, body, ck in ((0, short, None), (1, garbage, None), (2, short, 1)):
+            raw_len = 10
+            c = checksum(body) if ck is None else ck
+            t.feed(encode_frame(Data(1, seq, seq * 10, raw_len, ChunkCodec.ZSTD, 0, c, body)))
+        await settle()
+        msgs = t.read_messages()
+        assert Resume(1, ()) in msgs
+        assert Nack(1, 0, 10, ErrorCode.DECOMPRESS) in msgs
+        assert Nack(1, 10, 10, ErrorCode.DECOMPRESS) in msgs
+        assert Nack(1, 20, 10, ErrorCode.CHECKSUM) in msgs
+        assert h.received_bytes == 0 and not t.closed
+        h.cancel()
+        t.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_later_opens_must_match_the_first_and_attach_once() -> None:
+    """A second OPEN of a token on the same connection, or one on another
+    connection with other ranges, gets ABORT TRANSFER_MISMATCH; the transfer
+    itself carries on."""
+
+    async def main() -> None:
+        rx = TcpReceiver(keepalive_interval=60)
+        payload = os.urandom(20)
+        sink = BytesSink(20)  # plain bytes: the expectation names no ranges
+        h = rx.expect("req", sink)
+        a = await handshaken(rx)
+        b = await handshaken(rx)
+        a.feed(encode_frame(Open(1, h.token, 0, 20, 10, 0, 5, 0, 2, 7, 0, "req")))
+        a.feed(encode_frame(Open(2, h.token, 0, 20, 10, 0, 5, 0, 2, 7, 0, "req")))
+        b.feed(encode_frame(Open(1, h.token, 0, 20, 10, 0, 6, 0, 2, 7, 0, "req")))
+        await settle()
+        ma, mb = a.read_messages(), b.read_messages()
+        assert ma[0] == Resume(1, ())
+        assert isinstance(ma[1], Abort) and ma[1].transfer_id == 2
+        assert ma[1].code == ErrorCode.TRANSFER_MISMATCH and "already open" in ma[1].reason
+        assert len(mb) == 1 and isinstance(mb[0], Abort)
+        assert mb[0].code == ErrorCode.TRANSFER_MISMATCH and "first OPEN" in mb[0].reason
+        a.feed(data_frame(1, 0, 0, payload[:10]))
+        a.feed(data_frame(1, 1, 10, payload[10:]))
+        await settle()
+        assert a.read_messages()[-1] == Complete(1, 20)
+        assert await h == 20 and bytes(sink.data) == payload
+        a.close()
+        b.close()
         await rx.close()
 
     arun(main())

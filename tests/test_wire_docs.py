@@ -106,3 +106,11 @@ def test_compat_hash_recipe_in_docs() -> None:
     key = "kvbridge-wire-v1;L=32;C=2;H=8;D=128;dtype=bf16"
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     assert lay.compat_hash == h
+    mla = KVLayout(num_layers=61, num_kv_heads=1, head_dim=576, dtype="fp8_e4m3", mla=True)
+    documented = dict(
+        re.findall(r"`(kvbridge-wire-v1;[^`]+)` (?:\(MLA\) )?-> `(0x[0-9a-f]+)`", DOC.read_text())
+    )
+    assert documented == {
+        lay.wire_key(): f"{lay.compat_hash:#018x}",
+        mla.wire_key(): f"{mla.compat_hash:#018x}",
+    }

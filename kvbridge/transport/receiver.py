@@ -26,6 +26,7 @@ from ..errors import (
     AuthenticationError,
     Cancelled,
     ChecksumError,
+    DecompressError,
     IncompatiblePeer,
     InvalidArgument,
     KVBridgeError,
@@ -131,6 +132,8 @@ class _RxTransfer:
         self.finished = False
         self.complete = False
         self.priority = 0
+        # token_start, token_end, layer_start, layer_end of the first OPEN
+        self.ranges: tuple[int, int, int, int] | None = None
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -385,6 +388,15 @@ class TcpReceiver:
         if t.finished and not t.complete:
             conn.send(Abort(m.transfer_id, ErrorCode.CANCELLED, "transfer no longer expected"))
             return
+        if conn in t.attached:
+            conn.send(
+                Abort(
+                    m.transfer_id,
+                    ErrorCode.TRANSFER_MISMATCH,
+                    f"transfer already open on this connection as id {t.attached[conn]}",
+                )
+            )
+            return
         if len(st.transfers) >= self.limits.max_transfers_per_connection:
             conn.send(Abort(m.transfer_id, ErrorCode.RESOURCE_LIMIT, "too many open transfers"))
             return
@@ -397,6 +409,7 @@ class TcpReceiver:
         if t.grid is None:
             t.grid = ChunkGrid(m.total_bytes, m.chunk_size)
             t.priority = m.priority
+            t.ranges = (m.token_start, m.token_end, m.layer_start, m.layer_end)
         st.transfers[m.transfer_id] = t
         t.attached[conn] = m.transfer_id
         conn.send(Resume(m.transfer_id, t.grid.to_ranges(t.held)))
@@ -422,6 +435,9 @@ class TcpReceiver:
             return f"chunk size {m.chunk_size} outside (0, {limit}]"
         if t.grid is not None and t.grid.chunk_size != m.chunk_size:
             return f"chunk size {m.chunk_size} != {t.grid.chunk_size} of the first OPEN"
+        ranges = (m.token_start, m.token_end, m.layer_start, m.layer_end)
+        if t.ranges is not None and ranges != t.ranges:
+            return f"token and layer ranges {ranges} != {t.ranges} of the first OPEN"
         return ""
 
     def _place(self, conn: FrameConnection, h: DataHead) -> memoryview | None:
@@ -554,7 +570,7 @@ class TcpReceiver:
             else:
                 await loop.run_in_executor(self._pool, _decode_and_write, t.sink, m)
         except ChecksumError as e:
-            code = ErrorCode.DECOMPRESS if "decompress" in str(e) else ErrorCode.CHECKSUM
+            code = ErrorCode.DECOMPRESS if isinstance(e, DecompressError) else ErrorCode.CHECKSUM
             self._damaged(t, idx, code)
             return
         except RemoteProtocolError as e:

@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..errors import ChecksumError, RemoteProtocolError
+from ..errors import ChecksumError, DecompressError, RemoteProtocolError
 from .frames import ChunkCodec
 
 __all__ = ["checksum", "decode_chunk", "encode_chunk", "shuffle2", "unshuffle2"]
@@ -89,9 +89,10 @@ def decode_chunk(
 ) -> memoryview:
     """Verify and decode one chunk into its raw bytes.
 
-    Raises :class:`ChecksumError` when the checksum does not match or the body
-    does not decode to exactly ``raw_length`` bytes (both mean a damaged chunk
-    that the receiver asks for again), :class:`RemoteProtocolError` for an
+    Raises :class:`ChecksumError` when the checksum does not match, its
+    subclass :class:`DecompressError` when the body does not decode to exactly
+    ``raw_length`` bytes (both mean a damaged chunk that the receiver asks for
+    again: NACK CHECKSUM or DECOMPRESS), :class:`RemoteProtocolError` for an
     unknown codec or shuffle.  ``digest`` is the checksum of ``data`` when the
     caller already computed it (as the bytes arrived).
     """
@@ -111,9 +112,9 @@ def decode_chunk(
             else:
                 body = _zstd_d().decompress(data, max_output_size=raw_length)
         except Exception as e:
-            raise ChecksumError(f"chunk does not decompress: {e}") from None
+            raise DecompressError(f"chunk does not decompress: {e}") from None
     if len(body) != raw_length:
-        raise ChecksumError(f"chunk decodes to {len(body)} bytes, expected {raw_length}")
+        raise DecompressError(f"chunk decodes to {len(body)} bytes, expected {raw_length}")
     if shuffle == 2:
         return unshuffle2(body)
     return memoryview(body).cast("B")
