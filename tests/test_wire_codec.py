@@ -365,3 +365,66 @@ def test_critical_flags_are_never_placed() -> None:
     with pytest.raises(RemoteProtocolError):
         _pump(dec, bytes(frame), 1 << 20)
     assert calls == []
+
+
+def _decode_all(stream: bytes, cuts: list[int], place: bool) -> tuple[list[object], str]:
+    """Every message of ``stream`` fed at ``cuts``, normalized, and the name of
+    the error that stopped it ("" if none); with ``place``, large DATA payloads
+    land in views lent by a place() callback."""
+    lent: list[bytearray] = []
+
+    def lend(head: DataHead) -> memoryview:
+        lent.append(bytearray(head.wire_length))
+        return memoryview(lent[-1])
+
+    dec = FrameDecoder(max_payload=1 << 20, place=lend if place else None)
+    out: list[object] = []
+    err = ""
+    prev = 0
+    try:
+        for c in [*cuts, len(stream)]:
+            for m in dec.feed(stream[prev:c]):
+                if isinstance(m, Data) and m.digest is not None:
+                    assert m.digest == checksum(m.data)  # hashed as it arrived
+                    assert m.placed == place
+                out.append(norm(m))
+            prev = c
+    except KVBridgeError as e:
+        err = type(e).__name__
+    return out, err
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("big"), st.integers(65_537, 300_000), st.integers(0, 2**32 - 1)),
+            MESSAGES.map(lambda m: ("msg", m, 0)),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.data(),
+)
+def test_placing_changes_nothing_but_where_bytes_land(
+    frames: list[tuple], data: st.DataObject
+) -> None:
+    """Differential: with or without place(), any stream (valid, with large
+    DATA frames, then maybe one flipped byte) decodes to the same messages and
+    fails with the same error."""
+    import numpy as np
+
+    parts = []
+    for kind, a, b in frames:
+        if kind == "big":
+            body = np.random.default_rng(b).integers(0, 256, a, dtype=np.uint8).tobytes()
+            parts.append(encode_frame(Data(b, b % 7, b, a, 0, 0, checksum(body), body)))
+        else:
+            parts.append(encode_frame(a))
+    stream = bytearray(b"".join(parts))
+    if data.draw(st.booleans()):
+        stream[data.draw(st.integers(0, len(stream) - 1))] ^= data.draw(st.integers(1, 255))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
+    assert _decode_all(bytes(stream), cuts, place=False) == _decode_all(
+        bytes(stream), cuts, place=True
+    )
