@@ -114,7 +114,9 @@ def test_messages_validate_on_construction() -> None:
     with pytest.raises(InvalidArgument):
         PrefixQuery(1, 8, 4, (b"\x00" * 15,))
     with pytest.raises(InvalidArgument):
-        PrefixReply(1, ReplyStatus.OK, 4, transfer_token=b"x" * 257)
+        PrefixReply(1, ReplyStatus.OK, 4, transfer_token=b"x" * 65536)
+    with pytest.raises(InvalidArgument):  # a suffix must start on a page boundary
+        PrefixReply(1, ReplyStatus.OK, 16, lease_id=1, matched_tokens=33)
 
 
 # ---- the main decode's logic ----------------------------------------------------
@@ -291,15 +293,15 @@ def queries(draw: st.DrawFn) -> PrefixQuery:
 
 
 replies = st.builds(
-    lambda rid, pt, lease, matched, ms, tok: PrefixReply(
-        rid, ReplyStatus.OK, pt, lease, matched, ms, tok
+    lambda rid, pt, lease, pages, ms, tok: PrefixReply(
+        rid, ReplyStatus.OK, pt, lease, pages * pt if pages * pt < 1 << 32 else 0, ms, tok
     ),
     u64,
-    u32,
+    st.integers(1, 2**32 - 1),
     u64,
+    st.integers(0, 1 << 20),
     u32,
-    u32,
-    st.binary(max_size=256),
+    st.binary(max_size=600),
 )
 cancels = st.builds(PrefixCancel, u64, u64, st.sampled_from(list(CancelReason)))
 

@@ -86,12 +86,12 @@ class Ticket:
         mv = memoryview(data)
         if len(mv) < _HEAD.size:
             raise RemoteProtocolError(f"ticket too short ({len(mv)} bytes)")
-        magic, ver, transport, _, start, end, l0, l1, compat, rlen = _HEAD.unpack_from(mv)
+        magic, ver, transport, reserved, start, end, l0, l1, compat, rlen = _HEAD.unpack_from(mv)
         if magic != TICKET_MAGIC:
             raise RemoteProtocolError("not a kvbridge ticket (bad magic)")
         if ver != TICKET_VERSION:
             raise VersionMismatch(f"ticket version {ver}, this kvbridge reads {TICKET_VERSION}")
-        if rlen > MAX_RID or start > end or l0 > l1:
+        if reserved or rlen > MAX_RID or start > end or l0 > l1:
             raise RemoteProtocolError("malformed ticket header")
         off = _HEAD.size
         if len(mv) < off + rlen:

@@ -48,7 +48,7 @@ FRAME_PREFIX_REPLY = 0x61
 FRAME_PREFIX_CANCEL = 0x62
 PREFIX_MSG_VERSION = 1
 MAX_QUERY_HASHES = 1 << 20  # 16 MiB of hashes: 16M tokens at 16-token pages
-MAX_TRANSFER_TOKEN = 256
+MAX_TRANSFER_TOKEN = 0xFFFF  # the u16 length field: room for a transfer ticket (8.3)
 
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
@@ -140,6 +140,10 @@ class PrefixReply:
             raise InvalidArgument(f"transfer_token longer than {MAX_TRANSFER_TOKEN} bytes")
         if self.status is not ReplyStatus.OK and (self.lease_id or self.matched_tokens):
             raise InvalidArgument("a refusal carries no lease and no match")
+        if self.matched_tokens and (not self.page_tokens or self.matched_tokens % self.page_tokens):
+            raise InvalidArgument(
+                f"matched_tokens {self.matched_tokens} is not whole pages of {self.page_tokens}"
+            )
 
     @property
     def ok(self) -> bool:
