@@ -17,7 +17,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import IO, Any, TypeGuard
 
 from .errors import InvalidArgument
@@ -95,28 +95,81 @@ def _segment_json(s: Segment) -> dict[str, Any]:
 
 # ---- reading ---------------------------------------------------------------------
 def load_jsonl(
-    src: str | os.PathLike[str] | IO[str], *, max_request_tokens: int = MAX_REQUEST_TOKENS
+    src: str | os.PathLike[str] | IO[str] | IO[bytes],
+    *,
+    max_request_tokens: int = MAX_REQUEST_TOKENS,
 ) -> Trace:
-    """Read and validate a trace from a path or an open text stream."""
+    """Read and validate a trace from a path or an open (text or binary) stream."""
     if isinstance(src, (str, os.PathLike)):
-        with open(src, encoding="utf-8") as f:
+        with open(src, "rb") as f:  # bytes: bad UTF-8 is reported at its line
             return parse_jsonl(f, max_request_tokens=max_request_tokens)
     return parse_jsonl(src, max_request_tokens=max_request_tokens)
 
 
-def parse_jsonl(lines: Iterable[str], *, max_request_tokens: int = MAX_REQUEST_TOKENS) -> Trace:
-    """Validate and build a trace from JSONL lines."""
+class _Strict(ValueError):
+    pass
+
+
+def _no_constant(name: str) -> Any:
+    raise _Strict(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise _Strict(f"{text} does not fit a double")
+    return v
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        dup = sorted({k for k, _ in pairs if sum(1 for q, _ in pairs if q == k) > 1})
+        raise _Strict(f"duplicate keys {dup}")
+    return out
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON: no NaN or Infinity, no number beyond a double, no key twice."""
+    return json.loads(
+        text,
+        parse_constant=_no_constant,
+        parse_float=_finite_float,
+        object_pairs_hook=_unique_keys,
+    )
+
+
+def parse_jsonl(
+    lines: Iterable[str] | Iterable[bytes], *, max_request_tokens: int = MAX_REQUEST_TOKENS
+) -> Trace:
+    """Validate and build a trace from JSONL lines (str, or UTF-8 bytes)."""
     header: dict[str, Any] | None = None
     vocab = 0
     requests: list[TraceRequest] = []
     ids: set[str] = set()
     last_arrival = 0.0
-    for lineno, raw in enumerate(lines, start=1):
+    it: Iterator[str | bytes] = iter(lines)
+    lineno = 0
+    while True:
+        lineno += 1
+        try:
+            item = next(it)
+        except StopIteration:
+            break
+        except UnicodeDecodeError:  # a text stream that met bad bytes
+            raise TraceFormatError(lineno, "not UTF-8") from None
+        if isinstance(item, bytes):
+            try:
+                raw = item.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceFormatError(lineno, "not UTF-8") from None
+        else:
+            raw = item
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, RecursionError) as e:
+            obj = _loads(raw)
+        except (json.JSONDecodeError, RecursionError, _Strict) as e:
             raise TraceFormatError(lineno, f"not JSON ({e})") from None
         if not isinstance(obj, dict):
             raise TraceFormatError(lineno, "a line must be a JSON object")
@@ -143,7 +196,7 @@ def _check_header(line: int, obj: dict[str, Any]) -> dict[str, Any]:
         raise TraceFormatError(
             line, f'the first line must be the header {{"format": "{FORMAT_NAME}", ...}}'
         )
-    if obj.get("version") != FORMAT_VERSION:
+    if not _is_int(obj.get("version")) or obj["version"] != FORMAT_VERSION:
         raise TraceFormatError(
             line, f"trace version {obj.get('version')!r}; this reader reads {FORMAT_VERSION}"
         )
@@ -169,12 +222,12 @@ def _check_request(line: int, obj: dict[str, Any], vocab: int, max_tokens: int) 
     if not isinstance(rid, str) or not rid or not isinstance(sid, str):
         raise TraceFormatError(line, "request_id must be a non-empty string, session_id a string")
     arr = obj["arrival_s"]
-    if (
-        isinstance(arr, bool)
-        or not isinstance(arr, (int, float))
-        or not math.isfinite(arr)
-        or arr < 0
-    ):
+    try:  # an int may be beyond a double: OverflowError
+        ok = not isinstance(arr, bool) and isinstance(arr, (int, float))
+        ok = ok and math.isfinite(float(arr)) and arr >= 0
+    except OverflowError:
+        ok = False
+    if not ok:
         raise TraceFormatError(line, f"arrival_s must be a finite number >= 0, got {arr!r}")
     out = obj["output_tokens"]
     if not _is_int(out) or not 0 <= out <= max_tokens:
