@@ -3,18 +3,37 @@ decode and main decode across datacenters and chips."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import errors
 from .errors import KVBridgeError
 from .layout import DType, HeadOrder, KVLayout, MemoryOrder, WireRange
 
 __version__ = "0.1.0"
 
+# the bridges import the transports (asyncio, uvloop, the C++ core): loaded on
+# first use, so that ``import kvbridge`` stays light
+_BRIDGE = ("DecodeBridge", "PrefillBridge", "PeerConfig", "Ticket")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BRIDGE:
+        from . import bridge
+
+        return getattr(bridge, name)
+    raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
+
+
 __all__ = [
     "DType",
+    "DecodeBridge",
     "HeadOrder",
     "KVBridgeError",
     "KVLayout",
     "MemoryOrder",
+    "PeerConfig",
+    "PrefillBridge",
+    "Ticket",
     "WireRange",
     "__version__",
     "errors",

@@ -21,6 +21,7 @@ from kvbridge.errors import (
     PeerGone,
     RemoteProtocolError,
     TransferAborted,
+    TransferTimeout,
     Unavailable,
     VersionMismatch,
 )
@@ -303,3 +304,26 @@ def test_decode_killed_mid_transfer_gives_a_typed_error_in_time() -> None:
     finally:
         proc.kill()
         proc.join(10)
+
+
+def test_an_expectation_deadline_is_named_by_wait() -> None:
+    """wait() without a limit of its own reports the expectation's deadline
+    (it used to say "after None s")."""
+
+    async def main(pre, md, rld, src, mdc, rldc) -> None:  # type: ignore[no-untyped-def]
+        mt = _table(24, MD, 100, 9)
+        e = md.expect("late", mt, 0, 100, timeout=0.3)
+        with pytest.raises(TransferTimeout, match=r"0\.3 s"):
+            await e.wait()
+
+    run_pair(main)
+
+
+def test_the_bridges_import_from_the_top_level() -> None:
+    import kvbridge
+    from kvbridge.bridge import DecodeBridge, PeerConfig, PrefillBridge
+
+    assert kvbridge.DecodeBridge is DecodeBridge and kvbridge.PrefillBridge is PrefillBridge
+    assert kvbridge.PeerConfig is PeerConfig
+    with pytest.raises(AttributeError):
+        kvbridge.NoSuchThing  # noqa: B018

@@ -265,12 +265,57 @@ def test_cancel_frees_both_ends(side: str) -> None:
     arun(main())
 
 
+@pytest.mark.parametrize("connected", [True, False])
+def test_a_cancel_right_after_send_reaches_the_receiver(connected: bool) -> None:
+    """cancel() before the transfer's OPEN went out (same tick as send, or
+    before the sender is even connected) still aborts the receiver's
+    expectation at once, not at its own deadline."""
+
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=2)
+        if connected:
+            await tx.connect()
+        h = rx.expect("r", BytesSink(MiB), timeout=30)
+        sh = tx.send("r", BytesSource(os.urandom(MiB)), token=h.token)
+        sh.cancel()  # no await in between
+        with pytest.raises(Cancelled):
+            await sh.wait(5)
+        with pytest.raises(TransferAborted) as ei:
+            await h.wait(5)
+        assert ei.value.code == ErrorCode.CANCELLED
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_a_completed_transfer_sent_again_completes_without_bytes() -> None:
+    """The same ticket sent again on the same connection: RESUME + COMPLETE."""
+
+    async def main() -> None:
+        rx, tx = await pair()
+        h = rx.expect("r", BytesSink(1000))
+        data = os.urandom(1000)
+        await tx.send("r", BytesSource(data), token=h.token).wait(10)
+        again = await tx.send("r", BytesSource(data), token=h.token).wait(10)
+        assert again.chunks_sent == 0
+        assert h.stats["duplicates"] == 0
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
 def test_deadlines_are_typed() -> None:
     async def main() -> None:
         rx, tx = await pair()
         h = rx.expect("never", BytesSink(10), timeout=0.2)
-        with pytest.raises(TransferTimeout):
-            await h.wait(5)
+        with pytest.raises(TransferTimeout, match=r"after 0\.2 s"):
+            await h.wait()  # the transfer's own deadline, named as such
+        h1 = rx.expect("never-1", BytesSink(10), timeout=0.2)
+        with pytest.raises(TransferTimeout, match=r"after 0\.2 s"):
+            await h1.wait(5)
         h2 = rx.expect("slow", BytesSink(10))
         with pytest.raises(TransferTimeout):
             await h2.wait(0.05)  # a wait deadline does not end the transfer

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._waits import wait_within
 from ..errors import KVBridgeError, TransferTimeout
 
 __all__ = ["Delivery", "DeliveryStats", "MultiSend"]
@@ -73,13 +74,14 @@ class Delivery:
             self._cancel(reason)
 
     async def wait(self, timeout: float | None = None) -> DeliveryStats:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._task), timeout)
-        except TimeoutError:
-            raise TransferTimeout(
+        return await wait_within(
+            asyncio.shield(self._task),
+            timeout,
+            lambda: TransferTimeout(
                 f"{self.stats.destination}: {self.stats.request_id!r} not delivered "
                 f"after {timeout} s"
-            ) from None
+            ),
+        )
 
     def add_done_callback(self, fn: Callable[[Delivery], None]) -> None:
         self._task.add_done_callback(lambda _t: fn(self))

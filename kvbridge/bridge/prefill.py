@@ -149,6 +149,9 @@ class PrefillBridge:
             raise InvalidArgument(
                 f"{name}: ticket is for {t.transport.name} but the destination uses {want.name}"
             )
+        peer = self._ucx_peers.get(name)
+        if peer is not None and peer.metadata.agent_id != t.agent_id:
+            raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
         return t
 
     def _checked(self, rid: str, tickets: Mapping[str, bytes | Ticket]) -> dict[str, Ticket]:
@@ -229,8 +232,6 @@ class PrefillBridge:
         timeout: float | None,
     ) -> Delivery:
         peer = self._ucx_peers[name]
-        if peer.metadata.agent_id != t.agent_id:
-            raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
         h = peer.send(
             rid,
             block_table,

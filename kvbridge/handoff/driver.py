@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._waits import wait_within
 from ..errors import RemoteProtocolError, TransferTimeout
 from ..reference.engine import Engine
 from ..reference.sampling import sample
@@ -163,12 +164,13 @@ async def run_relay(
     side = RelaySide(rid, spec.params, policy, timeouts)
     ready_time: float | None = None
     try:
-        try:
-            await asyncio.wait_for(load_kv(engine, spec), kv_timeout)
-        except TimeoutError:
-            raise TransferTimeout(
+        await wait_within(
+            load_kv(engine, spec),
+            kv_timeout,
+            lambda: TransferTimeout(
                 f"request {rid}: prompt KV not on the relay after {kv_timeout} s"
-            ) from None
+            ),
+        )
         prompt_len = engine.num_tokens(rid)
         side.set_load(load())
         await _carry_out(node, side.start(spec.first_token, loop.time()), main, client)

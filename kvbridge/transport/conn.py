@@ -332,18 +332,18 @@ async def connect(
     assert isinstance(conn, FrameConnection)
     try:
         await asyncio.wait_for(_client_steps(conn, handshake), handshake_timeout)
-    except TimeoutError:
-        conn.abort_transport()
-        raise HandshakeTimeout(
-            f"handshake with {host}:{port} took over {handshake_timeout} s"
-        ) from None
-    except KVBridgeError as e:
+    except KVBridgeError as e:  # first: our timeout errors are TimeoutErrors too
         if handshake.error is not None:
             with contextlib.suppress(KVBridgeError):
                 conn.send(handshake.error)
         conn.close_error = e
         conn.close()
         raise
+    except TimeoutError:
+        conn.abort_transport()
+        raise HandshakeTimeout(
+            f"handshake with {host}:{port} took over {handshake_timeout} s"
+        ) from None
     conn.set_max_payload(handshake.max_frame)
     return conn
 
@@ -364,10 +364,7 @@ async def serve_handshake(conn: FrameConnection, hs: ServerHandshake, timeout: f
     """Run the server side of the handshake on a fresh connection."""
     try:
         await asyncio.wait_for(_server_steps(conn, hs), timeout)
-    except TimeoutError:
-        conn.abort_transport()
-        raise HandshakeTimeout(f"handshake took over {timeout} s") from None
-    except KVBridgeError as e:
+    except KVBridgeError as e:  # first: our timeout errors are TimeoutErrors too
         err = hs.error or Error(int(code_for_exception(e)), str(e))
         if not conn.closed:
             with contextlib.suppress(KVBridgeError):
@@ -375,6 +372,9 @@ async def serve_handshake(conn: FrameConnection, hs: ServerHandshake, timeout: f
             conn.close_error = e
             conn.close()
         raise
+    except TimeoutError:
+        conn.abort_transport()
+        raise HandshakeTimeout(f"handshake took over {timeout} s") from None
     assert hs.peer is not None
     return hs.peer
 

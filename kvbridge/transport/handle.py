@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
+from .._waits import wait_within
 from ..errors import TransferTimeout
 
 __all__ = ["TransferHandleBase"]
@@ -51,12 +52,13 @@ class TransferHandleBase(abc.ABC, Generic[R]):
             self._on_cancel(reason or self._cancel_reason)
 
     async def wait(self, timeout: float | None = None) -> R:
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._fut), timeout)
-        except TimeoutError:
-            raise TransferTimeout(
+        return await wait_within(
+            asyncio.shield(self._fut),
+            timeout,
+            lambda: TransferTimeout(
                 f"transfer {self.request_id!r} not {self._what} after {timeout} s"
-            ) from None
+            ),
+        )
 
     def __await__(self) -> Generator[Any, None, R]:
         return asyncio.shield(self._fut).__await__()

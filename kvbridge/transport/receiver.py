@@ -388,7 +388,7 @@ class TcpReceiver:
         if t.finished and not t.complete:
             conn.send(Abort(m.transfer_id, ErrorCode.CANCELLED, "transfer no longer expected"))
             return
-        if conn in t.attached:
+        if conn in t.attached and not t.complete:
             conn.send(
                 Abort(
                     m.transfer_id,

@@ -142,6 +142,8 @@ class _TxTransfer:
         self.finished = False
         self.mode: str | None = None
         self.timer: asyncio.TimerHandle | None = None
+        # ended (cancel, deadline) before any OPEN went out: the ABORT to send
+        self.unopened_abort: tuple[int, str] | None = None
 
     def set_chunk_size(self, chunk: int) -> None:
         """Fix the chunk grid (before the first OPEN)."""
@@ -436,6 +438,8 @@ class TcpSender:
             self._finish(t, e, None)
             return
         if t.finished:
+            if t.unopened_abort is not None:
+                self._abort_unopened(t, *t.unopened_abort)
             return
         # a receiver may accept smaller frames than our chunk size
         chunk = min(self._fit_chunk(), self._peer_max_frame - DATA_HEADER_SIZE)
@@ -506,31 +510,44 @@ class TcpSender:
         await self.close()
 
     # ---- writing -------------------------------------------------------------------------
+    def _open_msg(self, t: _TxTransfer, tid: int) -> Open:
+        s = t.source
+        return Open(
+            tid,
+            t.token,
+            s.layout_hash,
+            s.nbytes,
+            t.grid.chunk_size,
+            s.token_range[0],
+            s.token_range[1],
+            s.layer_range[0],
+            s.layer_range[1],
+            self._peer_caps & ALL_CAPABILITIES,
+            t.priority,
+            t.request_id,
+        )
+
     def _open_on(self, link: _Link, t: _TxTransfer) -> int:
         tid = t.opened.get(link)
         if tid is not None:
             return tid
         tid = next(link.next_tid)
-        s = t.source
-        link.conn.send(
-            Open(
-                tid,
-                t.token,
-                s.layout_hash,
-                s.nbytes,
-                t.grid.chunk_size,
-                s.token_range[0],
-                s.token_range[1],
-                s.layer_range[0],
-                s.layer_range[1],
-                self._peer_caps & ALL_CAPABILITIES,
-                t.priority,
-                t.request_id,
-            )
-        )
+        link.conn.send(self._open_msg(t, tid))
         t.opened[link] = tid
         link.tids[tid] = t
         return tid
+
+    def _abort_unopened(self, t: _TxTransfer, code: int, reason: str) -> None:
+        """A transfer that ended before its OPEN went out: OPEN and ABORT it on
+        one live connection, so that the receiver's expectation fails now
+        instead of at its own deadline (replies to that id are ignored)."""
+        for link in self._links:
+            if not link.conn.closed:
+                tid = next(link.next_tid)
+                with contextlib.suppress(KVBridgeError):
+                    link.conn.send(self._open_msg(t, tid))
+                    link.conn.send(Abort(tid, code, reason))
+                return
 
     def _kick(self, t: _TxTransfer) -> None:
         """A transfer with nothing left to send must still be open somewhere,
@@ -724,10 +741,18 @@ class TcpSender:
         self._active.discard(t)
         self.scheduler.remove(t)
         if code is not None:
+            told = False
             for link, tid in list(t.opened.items()):
                 if not link.conn.closed:
                     with contextlib.suppress(KVBridgeError):
                         link.conn.send(Abort(tid, code, reason or str(exc)))
+                        told = True
+            if not told:  # not opened yet, or its connections are gone
+                why = reason or str(exc)
+                if any(not lk.conn.closed for lk in self._links):
+                    self._abort_unopened(t, code, why)
+                else:  # not connected yet: _start sends it once connected
+                    t.unopened_abort = (code, why)
         for link, tid in list(t.opened.items()):
             link.tids.pop(tid, None)
         t.opened.clear()

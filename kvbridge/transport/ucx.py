@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .._waits import wait_within
 from ..errors import (
     Cancelled,
     ConnectTimeout,
@@ -508,11 +509,12 @@ class UcxAgent:
         fut: asyncio.Future[None] = self._loop_now().create_future()
         self._ops[op] = (None, fut)
         self._kick()
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
+
+        def expired() -> TransferTimeout:
             self._ops.pop(op, None)
-            raise TransferTimeout(f"UCX operation not complete within {timeout} s") from None
+            return TransferTimeout(f"UCX operation not complete within {timeout} s")
+
+        await wait_within(fut, timeout, expired)
 
     def _send_msg(self, peer: UcxPeer, msg: Message) -> asyncio.Future[None] | None:
         if peer.error is not None or self._closed:
@@ -549,14 +551,14 @@ class UcxAgent:
         t = timeout or self.timeout
         try:
             reply = await asyncio.wait_for(asyncio.shield(fut), t)
+        except KVBridgeError:  # first: our timeout errors are TimeoutErrors too
+            self._forget_peer(peer)
+            raise
         except TimeoutError:
             self._forget_peer(peer)
             raise ConnectTimeout(
                 f"UCX peer {peer.name[:8]} did not answer within {t} s (stale metadata?)"
             ) from None
-        except KVBridgeError:
-            self._forget_peer(peer)
-            raise
         finally:
             self._hello.pop(md.agent_id, None)
         if reply.kind is Kind.HELLO_NACK:

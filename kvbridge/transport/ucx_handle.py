@@ -8,6 +8,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._waits import wait_within
 from ..errors import Cancelled, KVBridgeError, TransferTimeout
 
 __all__ = ["TransferHandle", "TransferStats"]
@@ -72,10 +73,11 @@ class TransferHandle:
     async def wait(self, timeout: float | None = None) -> TransferStats:
         """Wait at most ``timeout`` seconds more (the handle's own deadline
         still applies); raises TransferTimeout without cancelling the transfer."""
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._future), timeout)
-        except TimeoutError:
-            raise TransferTimeout(f"{self.request_id}: not done within {timeout} s") from None
+        return await wait_within(
+            asyncio.shield(self._future),
+            timeout,
+            lambda: TransferTimeout(f"{self.request_id}: not done within {timeout} s"),
+        )
 
     # -- completion (used by the agent) ---------------------------------------
     def _finish(self) -> None:
