@@ -40,7 +40,7 @@ from ..errors import (
 from ..layout import KVLayout
 from .ucx_handle import TransferHandle, TransferStats
 from .ucx_memory import buffer_of, cache_tensors
-from .ucx_messages import Kind, Message, decode_message, encode_message
+from .ucx_messages import MAX_HELLO_BLOB, Kind, Message, decode_message, encode_message
 from .ucx_metadata import (
     AgentMetadata,
     RegionInfo,
@@ -396,6 +396,12 @@ class UcxAgent:
             tuple(regions),
         )
         self._blob = encode_metadata(self._md)
+        if len(self._blob) > MAX_HELLO_BLOB:
+            self._engine.close()
+            raise InvalidArgument(
+                f"UCX registration metadata of {len(self._blob)} bytes does not fit in a "
+                f"HELLO ({MAX_HELLO_BLOB}): too many regions or too long remote keys"
+            )
         nslots = max(1, int(staging_slots)) if staging_bytes > 0 else 0
         self._slot_bytes = (staging_bytes // nslots) if nslots else 0
         self._slot_offsets = [i * self._slot_bytes for i in range(nslots)]

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 from ..errors import RemoteProtocolError, UnknownFrame, VersionMismatch
 
-__all__ = ["MAX_MESSAGE", "Kind", "Message", "decode_message", "encode_message"]
+__all__ = [
+    "MAX_HELLO_BLOB",
+    "MAX_MESSAGE",
+    "Kind",
+    "Message",
+    "decode_message",
+    "encode_message",
+]
 
 MAGIC = 0x4B55
 VERSION = 1
@@ -25,6 +32,7 @@ MAX_MESSAGE = 60 * 1024
 MAX_RID = 1024
 
 _HEAD = struct.Struct("<HBB16s10QHHI")
+MAX_HELLO_BLOB = MAX_MESSAGE - _HEAD.size  # the largest metadata a HELLO carries
 
 
 class Kind(enum.IntEnum):

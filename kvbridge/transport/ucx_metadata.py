@@ -155,6 +155,8 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
         num_pages,
         page_tokens,
     ) = r.unpack(_FIXED)
+    if stacked > 1 or mla > 1:
+        raise RemoteProtocolError(f"UCX metadata has stacked={stacked}, mla={mla} (0 or 1)")
     try:
         layout = KVLayout(
             num_layers=layers,
