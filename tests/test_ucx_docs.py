@@ -45,3 +45,12 @@ def test_control_message_vectors() -> None:
     abort = Message(Kind.ABORT, b"A" * 16, "r1", code=2, text="timeout")
     assert _block("ucx-messages") == [encode_message(done), encode_message(abort)]
     assert [decode_message(v) for v in _block("ucx-messages")] == [done, abort]
+
+
+def test_exact_hash_recipe() -> None:
+    import hashlib
+
+    (key,) = re.findall(r"`(kvbridge-wire-v1;[^`]*;stacked=0)`", DOC)
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="bf16", page_tokens=16)
+    want = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    assert lay.exact_hash == want
