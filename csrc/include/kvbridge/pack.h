@@ -19,8 +19,10 @@
 extern "C" {
 #endif
 
-/* Check a cache descriptor and range (page ids in range, no page repeated,
- * table covers the range, slice inside the wire buffer). */
+/* Check a cache descriptor and range as an unpack would (the stricter
+ * checks: page ids in range, no page repeated, table covers the range, slice
+ * inside the wire buffer).  Pack alone also accepts repeated page ids, so a
+ * table this refuses with KVB_ERR_OVERLAP may still be packed. */
 int kvb_validate(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
                  uint64_t nbytes);
 
