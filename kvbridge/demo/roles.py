@@ -35,7 +35,7 @@ from ..cache.prefix_messages import (
     encode_prefix_message,
 )
 from ..cache.radix import RadixCache
-from ..errors import KVBridgeError, PeerGone, RemoteProtocolError, TransferTimeout
+from ..errors import KVBridgeError, RemoteProtocolError, TransferTimeout
 from ..handoff.driver import Pace, RequestSpec, run_main, run_relay
 from ..handoff.messages import Kind, Start, decode, encode
 from ..handoff.node import HandoffNode
@@ -54,7 +54,6 @@ from .control import ControlClient, ControlServer
 
 log = logging.getLogger("kvbridge.demo")
 
-HANDOFF_TYPES = (Kind.READY, Kind.TOKENS, Kind.ACK, Kind.DONE)
 PREFIX_QUERY, PREFIX_REPLY = 0x60, 0x61
 RELAY_IDENTITY = "relay-decode"
 
@@ -177,9 +176,7 @@ class MainDecode(_Role):
         self.starts: dict[int, asyncio.Future[Start]] = {}
         self.bridge.on_control(PREFIX_QUERY, self._on_query)
         self.bridge.on_control(Kind.START, self._on_start)
-        for t in HANDOFF_TYPES:
-            self.bridge.on_control(t, self._on_handoff)
-        self.channel.route("rld", self._to_relay)
+        self.channel.link_receiver("rld", self.bridge, RELAY_IDENTITY)
         self.enabled = True
 
     async def teardown(self) -> None:
@@ -198,13 +195,6 @@ class MainDecode(_Role):
         self.negotiator = PrefixNegotiator(self.radix, default_lease_s=120.0, max_lease_s=300.0)
         self.engine.allocator = _RadixPages(self.radix, self.allocator)  # type: ignore[assignment]
         return {}
-
-    # -- incoming control frames (called from the transport) --
-    def _on_handoff(self, conn: Any, frame_type: int, payload: bytes) -> None:
-        self.channel.deliver("rld", frame_type, payload)
-
-    def _to_relay(self, frame_type: int, payload: bytes) -> None:
-        self.bridge.tcp.send_control(RELAY_IDENTITY, frame_type, payload)
 
     def _start_future(self, rid: int) -> asyncio.Future[Start]:
         fut = self.starts.get(rid)
@@ -334,18 +324,8 @@ class RelayDecode(_Role):
             psk=self.cfg.psk(RELAY_IDENTITY),
         )
         await self.md.connect()
-        for t in HANDOFF_TYPES:
-            self.md.on_control(t, self._on_handoff)
-        self.channel.route("md", self._to_main)
+        self.channel.link_sender("md", self.md)
         return {}
-
-    def _on_handoff(self, conn: Any, frame_type: int, payload: bytes) -> None:
-        self.channel.deliver("md", frame_type, payload)
-
-    def _to_main(self, frame_type: int, payload: bytes) -> None:
-        if self.md is None:
-            raise PeerGone("relay: not connected to the main decode")
-        self.md.send_control(frame_type, payload)
 
     async def op_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Allocate pages for the prompt and expect its KV; returns the ticket."""
