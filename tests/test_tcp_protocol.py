@@ -192,3 +192,28 @@ def test_later_opens_must_match_the_first_and_attach_once() -> None:
         await rx.close()
 
     arun(main())
+
+
+def test_an_unknown_codec_closes_the_connection_not_the_transfer() -> None:
+    async def main() -> None:
+        rx = TcpReceiver(keepalive_interval=60)
+        payload = os.urandom(10)
+        sink = BytesSink(10)
+        h = rx.expect("req", sink)
+        a = await handshaken(rx)
+        a.feed(encode_frame(Open(1, h.token, 0, 10, 10, 0, 0, 0, 0, 7, 0, "req")))
+        a.feed(encode_frame(Data(1, 0, 0, 10, 9, 0, checksum(payload), payload)))  # codec 9
+        await settle()
+        msgs = a.read_messages()
+        assert isinstance(msgs[-1], Error) and msgs[-1].code == ErrorCode.PROTOCOL_ERROR
+        assert a.closed and not h.done()  # the transfer lives on
+        b = await handshaken(rx)
+        b.feed(encode_frame(Open(1, h.token, 0, 10, 10, 0, 0, 0, 0, 7, 0, "req")))
+        b.feed(data_frame(1, 0, 0, payload))
+        await settle()
+        assert b.read_messages()[-1] == Complete(1, 10)
+        assert await h == 10 and bytes(sink.data) == payload
+        b.close()
+        await rx.close()
+
+    arun(main())

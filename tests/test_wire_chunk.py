@@ -77,3 +77,29 @@ def test_concurrent_decoding_from_threads() -> None:
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(work, range(128)))
+
+
+def test_zstd_bombs_and_trailing_bytes_are_refused() -> None:
+    """A small zstd body declaring far more than raw_length is refused from its
+    header, before anything is allocated; so are bytes after the frame; a frame
+    without a declared size is bounded by raw_length."""
+    import zstandard
+
+    from kvbridge.errors import DecompressError
+
+    bomb = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))
+    assert len(bomb) < 1 << 20 and zstandard.frame_content_size(bomb) == 64 << 20
+    with pytest.raises(DecompressError, match="declares"):
+        decode_chunk(bomb, 1 << 16, ChunkCodec.ZSTD, 0, checksum(bomb))
+    ok = zstandard.ZstdCompressor(level=1).compress(b"a" * 1000)
+    assert bytes(decode_chunk(ok, 1000, ChunkCodec.ZSTD, 0, checksum(ok))) == b"a" * 1000
+    for tail in (ok, b"junk"):
+        body = ok + tail
+        with pytest.raises(DecompressError):
+            decode_chunk(body, 1000, ChunkCodec.ZSTD, 0, checksum(body))
+    unsized = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    big = unsized.compress(bytes(16 << 20))
+    with pytest.raises(DecompressError):
+        decode_chunk(big, 1 << 16, ChunkCodec.ZSTD, 0, checksum(big))
+    small = unsized.compress(b"b" * 500)
+    assert bytes(decode_chunk(small, 500, ChunkCodec.ZSTD, 0, checksum(small))) == b"b" * 500

@@ -574,9 +574,11 @@ class TcpReceiver:
             self._damaged(t, idx, code)
             return
         except RemoteProtocolError as e:
+            # an unknown codec or shuffle: the connections that sent it broke
+            # the protocol (ERROR, close); the transfer lives on, and the chunk
+            # is sent again on another connection (protocol.md 4.5, 5.3)
             for c in t.writing.pop(idx, {}):
                 c.fail(e)
-            self._finish(t, e, ErrorCode.PROTOCOL_ERROR)
             return
         except Exception as e:
             t.writing.pop(idx, None)

@@ -79,6 +79,25 @@ def encode_chunk(
     return body, checksum(body)
 
 
+def _zstd_decode(data: bytes | bytearray | memoryview, raw_length: int) -> bytes:
+    """One zstd frame that decodes to exactly ``raw_length`` bytes, never
+    allocating more: a frame that declares another size is refused before
+    anything is allocated (a bomb: a small body declaring gigabytes), one
+    without a declared size is bounded by ``raw_length``, and bytes after the
+    frame are refused too."""
+    declared = zstandard.frame_content_size(data)
+    if declared not in (-1, raw_length):
+        raise DecompressError(f"zstd frame declares {declared} bytes, expected {raw_length}")
+    d = _zstd_d()
+    if declared == -1:  # bounded first; then the same, now known small, frame for its end
+        d.decompress(data, max_output_size=raw_length)
+    obj = d.decompressobj()
+    body = obj.decompress(data)
+    if obj.unused_data or not obj.eof:
+        raise DecompressError("bytes after the zstd frame, or a frame cut short")
+    return body
+
+
 def decode_chunk(
     data: bytes | bytearray | memoryview,
     raw_length: int,
@@ -110,7 +129,9 @@ def decode_chunk(
             if codec == ChunkCodec.LZ4:
                 body = lz4.block.decompress(data, uncompressed_size=raw_length)
             else:
-                body = _zstd_d().decompress(data, max_output_size=raw_length)
+                body = _zstd_decode(data, raw_length)
+        except DecompressError:
+            raise
         except Exception as e:
             raise DecompressError(f"chunk does not decompress: {e}") from None
     if len(body) != raw_length:
