@@ -151,3 +151,50 @@ def test_layout_mismatch_refused_with_message() -> None:
         await rx.close()
 
     arun(main())
+
+
+def test_a_peer_that_never_reads_replies_cannot_grow_our_buffers() -> None:
+    """PINGs flooded by a peer that never reads the PONGs: the receiver stops
+    reading once its write buffer is full, so its buffer stays bounded, and
+    keepalive then drops the silent-to-us peer."""
+    import asyncio
+    import socket
+    import time
+
+    from kvbridge.wire import ClientHandshake, FrameDecoder, encode_frame
+    from kvbridge.wire.frames import Ping
+
+    async def main() -> None:
+        rx = await TcpReceiver(keepalive_interval=0.5, keepalive_timeout=2.0).start()
+        loop = asyncio.get_running_loop()
+        s = socket.create_connection(("127.0.0.1", rx.port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        hs = ClientHandshake("flood", 0)
+        await loop.sock_sendall(s, encode_frame(hs.hello()))
+        dec, got = FrameDecoder(), []
+        while not got:
+            got = dec.feed(await asyncio.wait_for(loop.sock_recv(s, 65536), 5))
+        await loop.sock_sendall(s, encode_frame(hs.on_hello_ack(got[0])))
+        await asyncio.sleep(0.2)
+        flood = encode_frame(Ping(7)) * 4096
+        closed, biggest, t0 = False, 0, time.monotonic()
+        while time.monotonic() - t0 < 15:
+            try:
+                s.send(flood)
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+            except OSError:  # reset or broken pipe: the receiver dropped us
+                closed = True
+                break
+            biggest = max([biggest, *(c.write_buffer_size for c in rx._conns)])
+            if not rx._conns and time.monotonic() - t0 > 0.5:
+                closed = True
+                break
+            await asyncio.sleep(0)
+        s.close()
+        assert closed, "the receiver kept a peer that never reads"
+        assert biggest < 8 << 20, f"write buffer grew to {biggest} bytes"
+        await rx.close()
+
+    arun(main(), 40)

@@ -56,6 +56,9 @@ Handler = Callable[["FrameConnection", Message], None]
 _HANDSHAKE_MAX_PAYLOAD = 65536
 
 
+CLOSE_GRACE_S = 5.0  # at most this long to flush a closing connection's queue
+
+
 class FrameConnection(asyncio.BufferedProtocol):
     """A framed connection.  Before the handshake completes, messages queue in
     an inbox; afterwards they go to ``handler`` (set by the owner)."""
@@ -68,6 +71,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 20.0,
         on_made: Callable[[FrameConnection], None] | None = None,
+        replies_only: bool = False,
     ) -> None:
         self.id = next(self._ids)
         self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD)
@@ -85,6 +89,12 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._holds = 0
+        # a side whose writes only answer what it reads (the receiver) stops
+        # reading while its write buffer is over the high-water mark: a peer
+        # that never reads our replies cannot make us buffer them without
+        # bound, and once it is silent to us, keepalive drops it
+        self._replies_only = replies_only
+        self._held_for_writes = False
         self._last_rx = time.monotonic()
         self._last_tx = time.monotonic()
         self._keepalive: asyncio.Task[None] | None = None
@@ -123,9 +133,15 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self._can_write.clear()
+        if self._replies_only and not self._held_for_writes:
+            self._held_for_writes = True
+            self.hold_reading()
 
     def resume_writing(self) -> None:
         self._can_write.set()
+        if self._held_for_writes:
+            self._held_for_writes = False
+            self.release_reading()
 
     # ---- dispatch ------------------------------------------------------------------------
     def _dispatch(self, m: Message) -> None:
@@ -253,6 +269,7 @@ class FrameConnection(asyncio.BufferedProtocol):
                     PeerGone(f"peer silent for {now - self._last_rx:.1f} s (keepalive timeout)"),
                     send_error=False,
                 )
+                self.abort_transport()  # nothing to flush to a peer that is gone
                 return
             if now - self._last_tx >= self.keepalive_interval:
                 with contextlib.suppress(KVBridgeError):
@@ -271,7 +288,12 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
+            self.transport.close()  # graceful: flushes what is queued first
+            if self.transport.get_write_buffer_size():
+                # a peer that does not read would hold a graceful close open
+                # for ever: give it a short grace, then drop the connection
+                grace = min(self.keepalive_timeout, CLOSE_GRACE_S)
+                asyncio.get_running_loop().call_later(grace, self.abort_transport)
         if self.transport is None:
             self._finish(self.close_error)
 

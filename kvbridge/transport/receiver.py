@@ -206,6 +206,7 @@ class TcpReceiver:
                 keepalive_interval=self.keepalive_interval,
                 keepalive_timeout=self.keepalive_timeout,
                 on_made=self._on_made,
+                replies_only=True,
             ),
             self.host,
             self._port,
