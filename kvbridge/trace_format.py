@@ -17,6 +17,7 @@ import io
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import IO, Any, TypeGuard
 
@@ -124,7 +125,7 @@ def _finite_float(text: str) -> float:
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
-        dup = sorted({k for k, _ in pairs if sum(1 for q, _ in pairs if q == k) > 1})
+        dup = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
         raise _Strict(f"duplicate keys {dup}")
     return out
 

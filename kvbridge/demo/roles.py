@@ -36,6 +36,7 @@ from ..cache.prefix_messages import (
 )
 from ..cache.radix import RadixCache
 from ..errors import KVBridgeError, RemoteProtocolError, TransferTimeout
+from ..handoff.channel import RoutedChannel
 from ..handoff.driver import Pace, RequestSpec, run_main, run_relay
 from ..handoff.messages import Kind, Start, decode, encode
 from ..handoff.node import HandoffNode
@@ -48,7 +49,6 @@ from ..reference.engine import Engine
 from ..reference.sampling import sample
 from ..router import BandwidthEstimator, Pipeline, Router, RouterConfig
 from ..transport.sender import TcpSender
-from .channel import RoleChannel
 from .config import DemoConfig
 from .control import ControlClient, ControlServer
 
@@ -86,7 +86,7 @@ class _Role:
         self.cfg = cfg
         self.host = host
         self.control = ControlServer(sock, self.handle)
-        self.channel = RoleChannel(self.name)
+        self.channel = RoutedChannel(self.name)
         self.channel.route("client", self._to_client)
         self.node = HandoffNode(self.channel)
         self.tasks: set[asyncio.Task[Any]] = set()

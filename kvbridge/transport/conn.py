@@ -298,7 +298,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._finish(self.close_error)
 
     def abort_transport(self) -> None:
-        if self.transport is not None:
+        if self.transport is not None and not self.closed:
             self.transport.abort()
 
     def _finish(self, err: KVBridgeError | None) -> None:

@@ -511,6 +511,10 @@ class TcpReceiver:
         idx = t.grid.index_of(m.offset, m.raw_length)
         if m.seq != idx:
             raise RemoteProtocolError(f"DATA seq {m.seq} does not match offset {m.offset}")
+        if m.codec not in _CODECS or m.shuffle not in (0, 2):
+            # a connection-level error (ERROR, close) for the connection that
+            # sent it; the transfer lives on (protocol.md 4.5, 5.3)
+            raise RemoteProtocolError(f"DATA with codec {m.codec}, shuffle {m.shuffle}")
         if idx in t.held:
             t.handle.stats["duplicates"] += 1
             conn.send(Ack(m.transfer_id, ((m.offset, m.raw_length),)))
@@ -574,10 +578,7 @@ class TcpReceiver:
             code = ErrorCode.DECOMPRESS if isinstance(e, DecompressError) else ErrorCode.CHECKSUM
             self._damaged(t, idx, code)
             return
-        except RemoteProtocolError as e:
-            # an unknown codec or shuffle: the connections that sent it broke
-            # the protocol (ERROR, close); the transfer lives on, and the chunk
-            # is sent again on another connection (protocol.md 4.5, 5.3)
+        except RemoteProtocolError as e:  # not reached: _on_data checks codec and shuffle
             for c in t.writing.pop(idx, {}):
                 c.fail(e)
             return
@@ -658,6 +659,9 @@ class TcpReceiver:
             if st is not None:
                 st.transfers.pop(tid, None)
         t.attached.clear()
+
+
+_CODECS = frozenset(int(c) for c in ChunkCodec)
 
 
 def _decode_and_write(sink: Sink, m: Data) -> None:

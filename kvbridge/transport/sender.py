@@ -537,17 +537,19 @@ class TcpSender:
         link.tids[tid] = t
         return tid
 
-    def _abort_unopened(self, t: _TxTransfer, code: int, reason: str) -> None:
+    def _abort_unopened(self, t: _TxTransfer, code: int, reason: str) -> bool:
         """A transfer that ended before its OPEN went out: OPEN and ABORT it on
         one live connection, so that the receiver's expectation fails now
-        instead of at its own deadline (replies to that id are ignored)."""
+        instead of at its own deadline (replies to that id are ignored).
+        False when no connection is live yet."""
         for link in self._links:
             if not link.conn.closed:
                 tid = next(link.next_tid)
                 with contextlib.suppress(KVBridgeError):
                     link.conn.send(self._open_msg(t, tid))
                     link.conn.send(Abort(tid, code, reason))
-                return
+                return True
+        return False
 
     def _kick(self, t: _TxTransfer) -> None:
         """A transfer with nothing left to send must still be open somewhere,
@@ -747,12 +749,11 @@ class TcpSender:
                     with contextlib.suppress(KVBridgeError):
                         link.conn.send(Abort(tid, code, reason or str(exc)))
                         told = True
-            if not told:  # not opened yet, or its connections are gone
-                why = reason or str(exc)
-                if any(not lk.conn.closed for lk in self._links):
-                    self._abort_unopened(t, code, why)
-                else:  # not connected yet: _start sends it once connected
-                    t.unopened_abort = (code, why)
+            why = reason or str(exc)
+            # not opened yet, or its connections are gone; not connected yet:
+            # _start sends it once connected
+            if not told and not self._abort_unopened(t, code, why):
+                t.unopened_abort = (code, why)
         for link, tid in list(t.opened.items()):
             link.tids.pop(tid, None)
         t.opened.clear()
