@@ -5,7 +5,7 @@ under a page budget), router decisions, and radix lookup cost.
     PYTHONPATH=. python bench/bench_radix.py [--demo] [--seed N] [--json out.json]
 
 Same as ``kvbridge-bench radix``; the demo can call
-:func:`kvbridge.prefix_bench.run_prefix_bench` directly.
+:func:`kvbridge.sim.prefix_bench.run_prefix_bench` directly.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.transport import benchmark as bm
+from kvbridge.cli import transfer_bench as bm
 from kvbridge.transport.tcp import run
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ import torch
 from kvbridge.cli.pack import Case, format_table, measure
 from kvbridge.layout import KVLayout
 from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
-from kvbridge.pack_ref import ref_pack
+from kvbridge.testing.pack_ref import ref_pack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
 
@@ -113,7 +113,7 @@ def test_bench_sender_chunk_prepare(benchmark: Any, how: str) -> None:
     """What the TCP sender does per 4 MiB chunk of KV pages: pack and checksum.
     ``read`` hands over a buffer the pack core filled; the other way zero-fills
     a new buffer first (one more memory pass)."""
-    from kvbridge.transport.kvio import KVSource
+    from kvbridge.transport.tcp.kvio import KVSource
     from kvbridge.wire.chunk import checksum
 
     c = setup_case(64)

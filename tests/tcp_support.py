@@ -12,8 +12,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvbridge.transport.kvio import BytesSink
 from kvbridge.transport.tcp import run
+from kvbridge.transport.tcp.kvio import BytesSink
 
 T = TypeVar("T")
 HDR = struct.Struct("<IBBHI")

@@ -53,7 +53,7 @@ def echo_server() -> Iterator[int]:
 @contextmanager
 def cli(*args: str) -> Iterator[tuple[str, int]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.transport.emulator", *args],
+        [sys.executable, "-m", "kvbridge.sim.emulator", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -118,7 +118,7 @@ def test_cli_rejects_bad_values() -> None:
         [
             sys.executable,
             "-m",
-            "kvbridge.transport.emulator",
+            "kvbridge.sim.emulator",
             "proxy",
             "--target",
             "x:1",

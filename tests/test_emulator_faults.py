@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.transport.emulator import DropAtAccept, FaultProxy, FlipBits, ResetAfter, Stall
+from kvbridge.sim.emulator import DropAtAccept, FaultProxy, FlipBits, ResetAfter, Stall
 
 
 def run(coro: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:

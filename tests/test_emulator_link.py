@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.transport.emulator import (
+from kvbridge.sim.emulator import (
     Link,
     LinkParams,
     parse_fraction,
@@ -15,8 +15,8 @@ from kvbridge.transport.emulator import (
     parse_size,
     parse_time,
 )
-from kvbridge.transport.emulator.__main__ import split_commands
-from kvbridge.transport.emulator.tcpproxy import parse_hostport
+from kvbridge.sim.emulator.__main__ import split_commands
+from kvbridge.sim.emulator.tcpproxy import parse_hostport
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ from typing import TypeVar
 import pytest
 
 from kvbridge.errors import InvalidArgument, Unavailable
-from kvbridge.transport.emulator import LinkParams, WanEmulator
-from kvbridge.transport.emulator import netns as netns_mod
+from kvbridge.sim.emulator import LinkParams, WanEmulator
+from kvbridge.sim.emulator import netns as netns_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, WHY = WanEmulator.available()
@@ -265,7 +265,7 @@ def test_popen_run_and_sysctl() -> None:
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "kvbridge.transport.emulator", *args],
+        [sys.executable, "-m", "kvbridge.sim.emulator", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -307,7 +307,7 @@ def _emulator_cli(*args: str) -> Iterator[subprocess.Popen[str]]:
     """The emulator's command line in a child (stdout piped); killed if still up."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.transport.emulator", *args],
+        [sys.executable, "-m", "kvbridge.sim.emulator", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -397,7 +397,7 @@ def test_asyncio_endpoints_on_both_sides(use_uvloop: bool) -> None:
 def test_owner_killed_leaves_namespaces_that_cleanup_stale_removes() -> None:
     script = (
         "import json,time\n"
-        "from kvbridge.transport.emulator import WanEmulator\n"
+        "from kvbridge.sim.emulator import WanEmulator\n"
         "e=WanEmulator(rtt_ms=2).start()\n"
         "print(json.dumps([e.ns_a,e.ns_b,e._fwd.pid]),flush=True)\n"
         "time.sleep(60)\n"

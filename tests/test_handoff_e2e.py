@@ -19,10 +19,10 @@ from kvbridge.handoff import (
     RelayState,
     SamplingParams,
 )
-from kvbridge.handoff.channel import LinkModel
 from kvbridge.handoff.driver import Pace
-from kvbridge.handoff.scenario import Scenario, ScenarioResult, decode_alone, run_scenario
 from kvbridge.reference import DecoderConfig, ReferenceDecoder
+from kvbridge.sim.handoff_scenario import Scenario, ScenarioResult, decode_alone, run_scenario
+from kvbridge.sim.network import LinkModel
 
 CFG = DecoderConfig(
     num_layers=2,
@@ -59,7 +59,7 @@ def run(sc: Scenario, decoders: tuple[ReferenceDecoder, ...]) -> ScenarioResult:
 
     res = asyncio.run(main())
     for d in decoders:  # every request was freed
-        assert d.allocator.num_free == d.allocator.num_pages
+        assert d.allocator.free_count == d.allocator.num_pages
     return res
 
 
@@ -226,9 +226,9 @@ def test_relay_dies_main_continues(after: int, decoders: tuple[ReferenceDecoder,
 
 
 def test_p_md_pipeline_without_relay(decoders: tuple[ReferenceDecoder, ...]) -> None:
-    from kvbridge.handoff.channel import MemoryNetwork
     from kvbridge.handoff.driver import collect_stream, prefill_request, run_main
     from kvbridge.handoff.node import HandoffNode
+    from kvbridge.sim.network import MemoryNetwork
 
     p, _, m = decoders
     params = SamplingParams(max_new_tokens=25, temperature=1.0, seed=5)

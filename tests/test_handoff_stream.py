@@ -80,8 +80,8 @@ def test_node_routes_early_messages_and_rejects_garbage() -> None:
     import asyncio
 
     from kvbridge.handoff import Ready, encode
-    from kvbridge.handoff.channel import MemoryNetwork
     from kvbridge.handoff.node import MAX_EARLY_REQUESTS, HandoffNode
+    from kvbridge.sim.network import MemoryNetwork
 
     async def go() -> None:
         net = MemoryNetwork()

@@ -13,7 +13,7 @@ import torch
 
 from kvbridge.layout import KVLayout
 from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack, wire_nbytes
-from kvbridge.pack_ref import ref_pack, ref_unpack
+from kvbridge.testing.pack_ref import ref_pack, ref_unpack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
 

@@ -13,7 +13,7 @@ import torch
 from kvbridge import errors
 from kvbridge.layout import KVLayout
 from kvbridge.pack import BUILT_WITH_CUDA, HAS_CORE, PagedKVCache, cuda_available, pack, unpack
-from kvbridge.pack_ref import ref_pack
+from kvbridge.testing.pack_ref import ref_pack
 
 pytestmark = [
     pytest.mark.cuda,
@@ -137,7 +137,7 @@ def test_cuda_errors_leave_the_cache_alone() -> None:
 def test_cuda_kv_source_and_sink_round_trip() -> None:
     """The transport's KVSource reads GPU pages into pinned host buffers and
     KVSink writes them back into another GPU cache, in uneven slices."""
-    from kvbridge.transport.kvio import KVSink, KVSource
+    from kvbridge.transport.tcp.kvio import KVSink, KVSource
 
     cache, bt, start, end = make_case("fi-HND-fp16", seed=4)
     ref = ref_pack(cache, bt, start, end).cpu().numpy().tobytes()

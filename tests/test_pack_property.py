@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvbridge.layout import KVLayout
 from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
-from kvbridge.pack_ref import ref_pack
+from kvbridge.testing.pack_ref import ref_pack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
 

@@ -11,10 +11,10 @@ import pytest
 from kvbridge.cli import radix as radix_cli
 from kvbridge.errors import InvalidArgument
 from kvbridge.layout import KVLayout
-from kvbridge.prefix_bench import run_prefix_bench
 from kvbridge.router import RouterConfig
-from kvbridge.trace import AgentTraceConfig, Trace, generate_agent_trace
-from kvbridge.trace_format import write_jsonl
+from kvbridge.sim.prefix_bench import run_prefix_bench
+from kvbridge.sim.trace import AgentTraceConfig, Trace, generate_agent_trace
+from kvbridge.sim.trace_format import write_jsonl
 
 LAYOUT = KVLayout.for_model("llama-3-8b")
 

@@ -1,5 +1,5 @@
 """The pack core's C ABI from C: tests/spec_peer/c_abi/check.c was written by a
-session that had only docs/pack.md, docs/layouts.md, protocol.md section 7 and
+independent implementation written from only docs/pack.md, docs/layouts.md, protocol.md section 7 and
 the public headers. It packs and unpacks between many layouts against its own
 reference, in slices, concurrently, and triggers every documented error. Here
 it is compiled against the core's sources (as C99, linked as pack.md says)

@@ -1,6 +1,6 @@
 """docs/layouts.md, the engine contract and the wire layout (protocol.md
 section 7) against cases written from those documents alone
-(tests/spec_peer/layouts, by a session that saw nothing else): kvbridge's pack
+(tests/spec_peer/layouts, an independent implementation written from the document alone): kvbridge's pack
 core produces the same wire bytes for every memory order, head order,
 stacking, MLA, dtype, odd shape, mid-page range and layer sub-range, and a
 pack -> unpack into another layout -> pack round trip gives them back."""

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from tcp_support import arun
 
-from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
 
 PEER = Path(__file__).resolve().parent / "spec_peer"
 PSK = bytes(range(32))

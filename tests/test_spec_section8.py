@@ -1,6 +1,6 @@
 """Section 8 of docs/protocol.md (handoff messages, prefix negotiation, page
 hashes, transfer tickets) against cases written from the document alone
-(tests/spec_peer/section8, by a session that saw nothing else): kvbridge
+(tests/spec_peer/section8, an independent implementation written from the document alone): kvbridge
 decodes every valid encoding to the same fields and re-encodes it byte for
 byte, and rejects every invalid one with the error the document names."""
 
@@ -26,7 +26,7 @@ CASES = [
 ]
 
 
-# Where the outside session had to guess and guessed otherwise than kvbridge,
+# Where the independent implementation had to guess and guessed otherwise than kvbridge,
 # docs/protocol.md now states the rule; these cases are judged by it.
 ERRATA: dict[int, tuple[str | None, str]] = {
     90: (None, "8.2: transfer_token up to 65535 bytes (it carries a ticket)"),

@@ -1,5 +1,5 @@
 """docs/trace-format.md against trace files written from that page alone
-(tests/spec_peer/traces, by a session that saw nothing else): kvbridge's
+(tests/spec_peer/traces, an independent implementation written from the document alone): kvbridge's
 loader reads every valid file to the same prompts (sha256 of the int32
 token ids), rejects every invalid one with TraceFormatError at the line the
 page names, and decides the cases the page left open (ambiguous/) the way
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbridge.trace_format import TraceFormatError, dump_jsonl, load_jsonl, parse_jsonl
+from kvbridge.sim.trace_format import TraceFormatError, dump_jsonl, load_jsonl, parse_jsonl
 
 ROOT = Path(__file__).parent / "spec_peer" / "traces"
 

@@ -1,5 +1,5 @@
 """docs/ucx.md's wire formats against cases written from that page alone
-(tests/spec_peer/ucx, by a session that saw nothing else; its eight cases at
+(tests/spec_peer/ucx, an independent implementation written from the document alone; its eight cases at
 the size bounds, over 100 kB each, are left out here and made by its
 gen_cases.py): kvbridge decodes every valid metadata blob and control message
 and re-encodes it byte for byte, and rejects every invalid one with the error
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from kvbridge import errors
-from kvbridge.transport.ucx_messages import decode_message, encode_message
-from kvbridge.transport.ucx_metadata import decode_metadata, encode_metadata
+from kvbridge.transport.ucx.messages import decode_message, encode_message
+from kvbridge.transport.ucx.metadata import decode_metadata, encode_metadata
 
 CASES = [
     json.loads(line)
@@ -23,7 +23,7 @@ CASES = [
     .read_text()
     .splitlines()
 ]
-# Where the outside session guessed otherwise, ucx.md now states the rule.
+# Where the independent implementation guessed otherwise, ucx.md now states the rule.
 ERRATA = {
     8: "RemoteProtocolError",  # an MLA layout has head order NHD (layouts.md)
     47: "RemoteProtocolError",  # an invalid layout is found before the hashes are compared

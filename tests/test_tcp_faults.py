@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from tcp_support import FaultProxy, OnceSink, PlacedSink, arun
 
 from kvbridge.errors import Cancelled, InvalidArgument, PeerGone, ResourceLimit, TransferAborted
-from kvbridge.transport.conn import FrameConnection
-from kvbridge.transport.kvio import BytesSink, BytesSource
-from kvbridge.transport.receiver import ExpectHandle
-from kvbridge.transport.sender import TcpSender, _TxTransfer
 from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver
+from kvbridge.transport.tcp.conn import FrameConnection
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge.transport.tcp.receiver import ExpectHandle
+from kvbridge.transport.tcp.sender import TcpSender, _TxTransfer
 from kvbridge.wire import ClientHandshake, FrameDecoder, encode_frame
 from kvbridge.wire.chunk import checksum
 from kvbridge.wire.frames import Ack, Data, Error, ErrorCode, Nack, Open, Ping, Ready

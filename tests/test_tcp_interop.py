@@ -13,8 +13,8 @@ import struct
 import xxhash
 from tcp_support import arun
 
-from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
 
 MAGIC = 0x4642564B
 KEY = b"interop-key"

@@ -9,10 +9,10 @@ import os
 import zstandard
 from tcp_support import arun
 
-from kvbridge.transport.conn import FrameConnection
-from kvbridge.transport.kvio import BytesSink
-from kvbridge.transport.mock import MockTransport
+from kvbridge.testing.mock_stream import MockTransport
 from kvbridge.transport.tcp import TcpReceiver
+from kvbridge.transport.tcp.conn import FrameConnection
+from kvbridge.transport.tcp.kvio import BytesSink
 from kvbridge.wire import ClientHandshake, encode_frame
 from kvbridge.wire.chunk import checksum
 from kvbridge.wire.frames import (

@@ -11,9 +11,9 @@ import pytest
 from tcp_support import arun, make_certs
 
 from kvbridge.errors import AuthenticationError, IncompatiblePeer, KVBridgeError
-from kvbridge.transport.kvio import BytesSink, BytesSource
-from kvbridge.transport.security import client_tls_context, server_tls_context
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge.transport.tcp.security import client_tls_context, server_tls_context
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

@@ -9,10 +9,10 @@ import pytest
 from tcp_support import arun
 
 from kvbridge.errors import Cancelled, TransferAborted
-from kvbridge.transport.conn import FrameConnection
-from kvbridge.transport.kvio import BytesSink, BytesSource
-from kvbridge.transport.sync import SyncReceiver, SyncSender
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
+from kvbridge.transport.tcp.conn import FrameConnection
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge.transport.tcp.sync import SyncReceiver, SyncSender
 
 
 def test_sync_round_trip_and_cancel() -> None:

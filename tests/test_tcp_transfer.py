@@ -18,9 +18,9 @@ from kvbridge.errors import (
     TransferAborted,
     TransferTimeout,
 )
-from kvbridge.transport.compress import CompressionPolicy
-from kvbridge.transport.kvio import BytesSink, BytesSource
 from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver, TcpSender
+from kvbridge.transport.tcp.compress import CompressionPolicy
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
 from kvbridge.wire.frames import ErrorCode
 
 KiB, MiB = 1024, 1 << 20
@@ -123,7 +123,7 @@ def test_small_transfer_finishes_while_large_runs() -> None:
 
 
 def test_priority_beats_size() -> None:
-    from kvbridge.transport.scheduler import ChunkScheduler
+    from kvbridge.transport.tcp.scheduler import ChunkScheduler
 
     class T:
         def __init__(self, prio: int, n: int, arrival: int) -> None:

@@ -255,7 +255,7 @@ def test_corrupt_and_stale_metadata_rejected() -> None:
 
 
 def test_metadata_over_tcp_control_connection() -> None:
-    from kvbridge.transport.ucx_control import connect_via_tcp, serve_metadata
+    from kvbridge.transport.ucx.control import connect_via_tcp, serve_metadata
 
     async def body() -> None:
         a, b, _, src, _ = await pair(SMALL, SMALL)

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from kvbridge.layout import KVLayout
-from kvbridge.transport.ucx_messages import Kind, Message, decode_message, encode_message
-from kvbridge.transport.ucx_metadata import (
+from kvbridge.transport.ucx.messages import Kind, Message, decode_message, encode_message
+from kvbridge.transport.ucx.metadata import (
     AgentMetadata,
     RegionInfo,
     RegionKind,

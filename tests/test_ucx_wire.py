@@ -17,8 +17,8 @@ from kvbridge.errors import (
     VersionMismatch,
 )
 from kvbridge.layout import KVLayout
-from kvbridge.transport.ucx_messages import Kind, Message, decode_message, encode_message
-from kvbridge.transport.ucx_metadata import (
+from kvbridge.transport.ucx.messages import Kind, Message, decode_message, encode_message
+from kvbridge.transport.ucx.metadata import (
     AgentMetadata,
     RegionInfo,
     RegionKind,
@@ -26,7 +26,7 @@ from kvbridge.transport.ucx_metadata import (
     decode_metadata,
     encode_metadata,
 )
-from kvbridge.transport.ucx_runs import CacheGeometry, page_pieces, put_runs
+from kvbridge.transport.ucx.runs import CacheGeometry, page_pieces, put_runs
 
 
 def _md(layout: KVLayout = SMALL) -> AgentMetadata:

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..errors import InvalidArgument, Unavailable
 from ..pack import PagedKVCache
-from ..transport.kvio import KVSink
-from ..transport.receiver import ReceiverLimits, TcpReceiver
+from ..transport.tcp.kvio import KVSink
+from ..transport.tcp.receiver import ReceiverLimits, TcpReceiver
 from .handles import Delivery, DeliveryStats
 from .ticket import Ticket, TicketTransport
 

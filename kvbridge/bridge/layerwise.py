@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from ..errors import Cancelled, InvalidArgument, TransferTimeout
-from ..transport.kvio import KVSource
+from ..transport.tcp.kvio import KVSource
 
 __all__ = ["LayerwiseSource"]
 

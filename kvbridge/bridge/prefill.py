@@ -9,8 +9,8 @@ from typing import Any
 
 from ..errors import IncompatiblePeer, InvalidArgument, Unavailable
 from ..pack import PagedKVCache
-from ..transport.kvio import KVSource
-from ..transport.sender import DEFAULT_STREAMS, TcpSender
+from ..transport.tcp.kvio import KVSource
+from ..transport.tcp.sender import DEFAULT_STREAMS, TcpSender
 from .handles import Delivery, DeliveryStats, MultiSend
 from .layerwise import LayerwiseSource
 from .ticket import Ticket, TicketTransport

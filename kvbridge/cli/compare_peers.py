@@ -33,7 +33,7 @@ class Scenario:
         )
 
     def pieces(self, bt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        from ..transport.ucx_runs import CacheGeometry, page_pieces
+        from ..transport.ucx.runs import CacheGeometry, page_pieces
 
         _, off, length = page_pieces(
             CacheGeometry(self.layout, self.num_pages), bt, self.start, self.end

@@ -45,7 +45,7 @@ class Wan:
     rto_ms: float
 
     def model(self) -> Any:
-        from kvbridge.handoff.channel import LinkModel
+        from kvbridge.sim.network import LinkModel
 
         return LinkModel(
             delay=self.delay_ms / 1e3,
@@ -120,9 +120,9 @@ async def _kv_runs(args: argparse.Namespace, bar: Any) -> tuple[list[float], int
     """Pack, send over the WAN, unpack and decode one step: the incremental KV path."""
     import torch
 
-    from kvbridge.handoff.channel import MemoryNetwork
     from kvbridge.layout import KVLayout
     from kvbridge.reference import DecoderConfig, ReferenceDecoder, gather_wire, scatter_wire
+    from kvbridge.sim.network import MemoryNetwork
 
     lay = KVLayout.for_model(args.model)
     if lay.mla:
@@ -173,10 +173,10 @@ async def _kv_runs(args: argparse.Namespace, bar: Any) -> tuple[list[float], int
 
 async def _token_runs(args: argparse.Namespace, mode: str, bar: Any) -> dict[str, Any]:
     from kvbridge.handoff import HandoffPolicy, HandoffTimeouts, Mode, SamplingParams
-    from kvbridge.handoff.channel import LinkModel
     from kvbridge.handoff.driver import Pace
-    from kvbridge.handoff.scenario import Scenario, run_scenario
     from kvbridge.reference import DecoderConfig, ReferenceDecoder
+    from kvbridge.sim.handoff_scenario import Scenario, run_scenario
+    from kvbridge.sim.network import LinkModel
 
     cfg = DecoderConfig()
     p = ReferenceDecoder(cfg, cfg.kv_layout(page_tokens=16), 64)
@@ -298,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     result = asyncio.run(_bench(args))
     if args.real_wan:
-        from ..transport.emulator.params import parse_fraction, parse_rate, parse_time
+        from ..sim.emulator.params import parse_fraction, parse_rate, parse_time
         from .handoff_wan import measure
 
         rate, rtt, loss = args.real_wan.split(":")

@@ -41,8 +41,8 @@ async def main_side(host: str, runs: int) -> None:
     from ..handoff.messages import Ack, Tokens, decode, encode
     from ..pack import PagedKVCache
     from ..reference.decoder import DecoderConfig, ReferenceDecoder
-    from ..transport.kvio import KVSink
-    from ..transport.receiver import TcpReceiver
+    from ..transport.tcp.kvio import KVSink
+    from ..transport.tcp.receiver import TcpReceiver
 
     torch.set_num_threads(1)
     lay = _layout()
@@ -87,8 +87,8 @@ async def relay_side(host: str, port: int, tokens: bytes, runs: int, warmup: int
     from ..handoff.messages import Tokens, decode, encode
     from ..handoff.params import SamplingParams
     from ..pack import PagedKVCache
-    from ..transport.kvio import KVSource
-    from ..transport.sender import TcpSender
+    from ..transport.tcp.kvio import KVSource
+    from ..transport.tcp.sender import TcpSender
 
     lay = _layout()
     src = PagedKVCache.allocate(lay, lay.pages_for(N_TOKENS), fill="random", seed=1)
@@ -145,7 +145,7 @@ def measure(
     rate_bps: float, rtt_ms: float, loss: float, runs: int, warmup: int = 2
 ) -> dict[str, Any]:
     """Start the emulator and both sides; returns the relay's figures."""
-    from ..transport.emulator import WanEmulator
+    from ..sim.emulator import WanEmulator
 
     py = sys.executable
     total = runs + warmup

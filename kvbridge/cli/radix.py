@@ -14,10 +14,10 @@ import numpy as np
 from ..cache import RadixCache
 from ..cache.hashing import page_hashes
 from ..layout import KVLayout
-from ..prefix_bench import run_prefix_bench
 from ..router import RouterConfig
-from ..trace import AgentTraceConfig, generate_agent_trace, hit_stats
-from ..trace_format import load_jsonl
+from ..sim.prefix_bench import run_prefix_bench
+from ..sim.trace import AgentTraceConfig, generate_agent_trace, hit_stats
+from ..sim.trace_format import load_jsonl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

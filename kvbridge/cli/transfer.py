@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import Unavailable
-from ..transport import benchmark as bm
 from ..transport.tcp import run as run_loop
+from . import transfer_bench as bm
 
 MiB = 1 << 20
 
@@ -52,28 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--skip", choices=["goodput", "latency", "compression"], action="append", default=[]
     )
     p.add_argument("--psk-hex", help="pre-shared key (hex), both ends")
-    p.add_argument(
-        "--emulator",
-        metavar="SPEC",
-        help="route through the WAN emulator (kvbridge.transport.emulator.bench_endpoint)",
-    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
-
-
-def _emulated(spec: str | None, host: str, port: int, raw_port: int) -> Any:
-    """The emulator hook: ``bench_endpoint(spec, host, ports)`` must be a context
-    manager yielding ``(host, {port: emulated_port})``."""
-    if spec is None:
-        return contextlib.nullcontext((host, {port: port, raw_port: raw_port}))
-    try:
-        emulator = importlib.import_module("kvbridge.transport.emulator")
-    except ImportError:
-        raise Unavailable("--emulator needs kvbridge.transport.emulator") from None
-    hook = getattr(emulator, "bench_endpoint", None)
-    if hook is None:
-        raise Unavailable("kvbridge.transport.emulator has no bench_endpoint(spec, host, ports)")
-    return hook(spec, host, [port, raw_port])
 
 
 @contextlib.contextmanager
@@ -110,33 +88,32 @@ def run(args: argparse.Namespace) -> int:
         results["compression"] = bm.compression_report(bm.synthetic_kv(4 << 20))
         results["compression_reference"] = bm.compression_report(bm.reference_kv(1 << 20))
     try:
-        with _emulated(args.emulator, info["host"], info["port"], info["raw_port"]) as (h, ports):
-            port, raw_port = ports[info["port"]], ports[info["raw_port"]]
-            if "goodput" not in args.skip:
-                with _bar(args.repeats + 1, "goodput", show) as prog:
-                    results["goodput"] = run_loop(
-                        bm.measure_goodput(
-                            h, port, raw_port,
-                            nbytes=args.bytes_mib * MiB, streams=args.streams,
-                            chunk_size=_chunk(args), repeats=args.repeats,
-                            compression=args.compression, progress=prog, psk=psk,
-                            data_kind=args.data,
+        h, port, raw_port = info["host"], info["port"], info["raw_port"]
+        if "goodput" not in args.skip:
+            with _bar(args.repeats + 1, "goodput", show) as prog:
+                results["goodput"] = run_loop(
+                    bm.measure_goodput(
+                        h, port, raw_port,
+                        nbytes=args.bytes_mib * MiB, streams=args.streams,
+                        chunk_size=_chunk(args), repeats=args.repeats,
+                        compression=args.compression, progress=prog, psk=psk,
+                        data_kind=args.data,
+                    )
+                )  # fmt: skip
+        if "latency" not in args.skip:
+            results["latency"] = []
+            for policy in ("srpt", "fifo"):
+                with _bar(args.count, f"latency {policy}", show) as prog:
+                    results["latency"].append(
+                        run_loop(
+                            bm.measure_latency(
+                                h, port, big_bytes=args.big_mib * MiB,
+                                small_bytes=args.small_kib * 1024, count=args.count,
+                                streams=args.streams, chunk_size=_chunk(args),
+                                scheduler=policy, progress=prog, psk=psk,
+                            )
                         )
                     )  # fmt: skip
-            if "latency" not in args.skip:
-                results["latency"] = []
-                for policy in ("srpt", "fifo"):
-                    with _bar(args.count, f"latency {policy}", show) as prog:
-                        results["latency"].append(
-                            run_loop(
-                                bm.measure_latency(
-                                    h, port, big_bytes=args.big_mib * MiB,
-                                    small_bytes=args.small_kib * 1024, count=args.count,
-                                    streams=args.streams, chunk_size=_chunk(args),
-                                    scheduler=policy, progress=prog, psk=psk,
-                                )
-                            )
-                        )  # fmt: skip
     finally:
         if proc is not None:
             proc.terminate()

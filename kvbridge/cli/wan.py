@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _point(spec: str) -> tuple[float, float, float]:
-    from ..transport.emulator.params import parse_fraction, parse_rate, parse_time
+    from ..sim.emulator.params import parse_fraction, parse_rate, parse_time
 
     rate, rtt, loss = spec.split(":")
     return parse_rate(rate), parse_time(rtt) * 1e3, parse_fraction(loss)
@@ -75,7 +75,7 @@ def measure_point(
     repeats: int,
     bar: Any,
 ) -> list[dict[str, Any]]:
-    from ..transport.emulator import WanEmulator
+    from ..sim.emulator import WanEmulator
 
     py = sys.executable
     out: list[dict[str, Any]] = []
@@ -132,7 +132,7 @@ def _decision(d: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..transport.emulator import WanEmulator
+    from ..sim.emulator import WanEmulator
 
     ok, reason = WanEmulator.available()
     if not ok:

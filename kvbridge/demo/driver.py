@@ -28,7 +28,7 @@ import numpy as np
 from ..handoff.messages import Source, StreamTokens, decode
 from ..handoff.params import SamplingParams
 from ..handoff.stream import StreamMerge
-from ..trace import AgentTraceConfig, generate_agent_trace
+from ..sim.trace import AgentTraceConfig, generate_agent_trace
 from .config import DemoConfig
 from .control import ControlClient
 from .report import PipelineSummary, RequestRecord, format_table, summarize, write_outputs
@@ -114,7 +114,7 @@ def build_requests(cfg: DemoConfig) -> list[DemoRequest]:
 def prefill_side_hit(reqs: list[DemoRequest]) -> float:
     """The prefill side's prefix hit rate over the replay: tokens an unbounded,
     token-exact prefix cache of every earlier prompt holds / prompt tokens."""
-    from ..cache.ideal import IdealPrefixCache
+    from ..sim.ideal_cache import IdealPrefixCache
 
     cache = IdealPrefixCache()
     hit = sum(cache.match_and_insert(np.asarray(r.prompt, dtype=np.int32)) for r in reqs)
@@ -127,8 +127,8 @@ def reference_streams(
     """What one decoder decoding each request alone outputs."""
     import torch
 
+    from ..handoff.sampling import sample
     from ..reference.decoder import ReferenceDecoder
-    from ..reference.sampling import sample
 
     torch.set_num_threads(1)
     lay = cfg.p_layout()
@@ -262,7 +262,7 @@ async def _replay(
 
 
 def _wan_mode(cfg: DemoConfig) -> tuple[str, str]:
-    from ..transport.emulator import WanEmulator
+    from ..sim.emulator import WanEmulator
 
     ok, reason = WanEmulator.available()
     if cfg.wan_mode == "netns" and not ok:
@@ -278,7 +278,7 @@ def _wan_mode(cfg: DemoConfig) -> tuple[str, str]:
 async def run_demo(
     cfg: DemoConfig, out_dir: Path | None = None, *, progress: bool = True, log: Any = print
 ) -> DemoResult:
-    from ..transport.emulator import ProxyEmulator, WanEmulator
+    from ..sim.emulator import ProxyEmulator, WanEmulator
 
     mode, note = _wan_mode(cfg)
     reqs = build_requests(cfg)

@@ -38,17 +38,17 @@ from ..cache.radix import RadixCache
 from ..errors import KVBridgeError, RemoteProtocolError, TransferTimeout
 from ..handoff.channel import RoutedChannel
 from ..handoff.driver import Pace, RequestSpec, run_main, run_relay
+from ..handoff.engine import Engine
 from ..handoff.messages import Kind, Start, decode, encode
 from ..handoff.node import HandoffNode
 from ..handoff.outputs import HandoffTimeouts
 from ..handoff.params import SamplingParams
 from ..handoff.policy import HandoffPolicy
+from ..handoff.sampling import sample
 from ..pack import PagedKVCache
 from ..reference.decoder import ReferenceDecoder
-from ..reference.engine import Engine
-from ..reference.sampling import sample
 from ..router import BandwidthEstimator, Pipeline, Router, RouterConfig
-from ..transport.sender import TcpSender
+from ..transport.tcp.sender import TcpSender
 from .config import DemoConfig
 from .control import ControlClient, ControlServer
 

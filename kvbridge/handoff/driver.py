@@ -20,8 +20,7 @@ import torch
 
 from .._waits import wait_within
 from ..errors import RemoteProtocolError, TransferTimeout
-from ..reference.engine import Engine
-from ..reference.sampling import sample
+from .engine import Engine
 from .main import MainSide, MainState
 from .messages import HandoffMessage, StreamTokens
 from .node import HandoffNode
@@ -29,6 +28,7 @@ from .outputs import HandoffTimeouts, Output, ToClient, ToPeer
 from .params import SamplingParams
 from .policy import HandoffPolicy, Mode
 from .relay import RelaySide, RelayState
+from .sampling import sample
 from .stream import StreamMerge
 
 __all__ = [

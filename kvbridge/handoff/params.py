@@ -2,7 +2,7 @@
 with its token IDs (the rest, the count generated so far, is the position).
 
 Torch-free so that the sans-IO handoff layer can carry it;
-:mod:`kvbridge.reference.sampling` draws tokens with it.
+:mod:`kvbridge.handoff.sampling` draws tokens with it.
 """
 
 from __future__ import annotations

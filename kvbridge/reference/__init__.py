@@ -1,16 +1,16 @@
 """The reference engine: a small Llama-style decoder over a paged KV cache.
 
-It implements the engine contract (:mod:`kvbridge.reference.engine`) and is
+It implements the engine contract (:mod:`kvbridge.handoff.engine`) and is
 what the handoff tests, the benchmarks and the demo run on.
 """
 
 from __future__ import annotations
 
-from .allocator import PageAllocator
+from ..cache.allocator import PageAllocator
+from ..handoff.engine import Engine
+from ..handoff.sampling import SamplingParams, is_last, sample
 from .decoder import DecoderConfig, ReferenceDecoder
-from .engine import Engine
 from .kvio import gather_wire, scatter_wire
-from .sampling import SamplingParams, is_last, sample
 
 __all__ = [
     "DecoderConfig",

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.allocator import PageAllocator
 from ..errors import DTypeError, InvalidArgument, LayoutError
 from ..layout import DType, HeadOrder, KVLayout, MemoryOrder
-from .allocator import PageAllocator
 from .kvio import component_views, gather_wire, scatter_wire, slot_index
 
 __all__ = ["DecoderConfig", "ReferenceDecoder"]
@@ -112,7 +112,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class ReferenceDecoder:
-    """The reference implementation of :class:`kvbridge.reference.engine.Engine`."""
+    """The reference implementation of :class:`kvbridge.handoff.engine.Engine`."""
 
     def __init__(
         self,

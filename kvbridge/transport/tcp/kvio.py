@@ -1,0 +1,230 @@
+"""Data sources and sinks: what the transport reads from and writes to.
+
+The transport knows no KV.  A :class:`Source` gives the wire bytes of any
+slice ``[offset, offset + n)`` of a transfer; a :class:`Sink` stores verified
+bytes at an offset, in any order, each byte at most once.  Both are called
+from worker threads (the pack core releases the GIL).
+
+:class:`KVSource` / :class:`KVSink` are the KV-cache implementations on top of
+:mod:`kvbridge.pack`: the wire bytes of a token range and layer range of one
+request, packed from (unpacked into) its pages on the fly, so no buffer of the
+whole transfer ever exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ...errors import BufferTooSmall, InvalidArgument
+
+__all__ = ["BytesSink", "BytesSource", "KVSink", "KVSource", "Sink", "Source"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    nbytes: int  # total wire bytes
+    itemsize: int  # element size (2 enables the byte shuffle before compression)
+    layout_hash: int  # KVLayout.compat_hash, 0 for plain bytes
+    token_range: tuple[int, int]
+    layer_range: tuple[int, int]
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes ``[offset, offset + len(out))``."""
+
+
+@runtime_checkable
+class Sink(Protocol):
+    nbytes: int
+    layout_hash: int
+    token_range: tuple[int, int]
+    layer_range: tuple[int, int]
+
+    def write(self, offset: int, data: memoryview) -> None:
+        """Store verified bytes at ``offset`` (called once per byte, any order)."""
+
+    def flush(self) -> None:
+        """Make every written byte visible to the engine (e.g. sync a CUDA stream)."""
+
+
+# A source may also offer either of
+#
+#     def view(self, offset: int, n: int) -> memoryview   (the bytes themselves)
+#     def read(self, offset: int, n: int) -> memoryview   (a new buffer it filled)
+#
+# ``view`` lends bytes that are already in wire form (no copy at all); ``read``
+# hands over a buffer in which the source wrote every byte, so the transport
+# need not zero-fill one for ``read_into`` first (a whole memory pass per chunk).
+#
+# A sink whose bytes are plain contiguous host memory may also offer
+#
+#     def view(self, offset: int, n: int) -> memoryview   (writable, exactly n bytes)
+#
+# The receiver then reads uncompressed chunks from the socket straight into it,
+# with no copy.  Those bytes land before their checksum is verified: a damaged
+# chunk is asked for again and overwritten, and a cancelled transfer stops
+# writing there at once.  The engine reads nothing before completion anyway.
+
+
+def _check(offset: int, n: int, total: int) -> None:
+    if offset < 0 or n < 0 or offset + n > total:
+        raise BufferTooSmall(f"slice [{offset}, {offset + n}) outside a {total}-byte transfer")
+
+
+class BytesSource:
+    """A source over an in-memory buffer (bytes, bytearray, numpy array...)."""
+
+    def __init__(
+        self,
+        data: Any,
+        *,
+        itemsize: int = 1,
+        layout_hash: int = 0,
+        token_range: tuple[int, int] = (0, 0),
+        layer_range: tuple[int, int] = (0, 0),
+    ) -> None:
+        self._mv = memoryview(data).cast("B")
+        self._np = np.frombuffer(self._mv, np.uint8)
+        self.nbytes = len(self._mv)
+        self.itemsize = itemsize
+        self.layout_hash = layout_hash
+        self.token_range = token_range
+        self.layer_range = layer_range
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        _check(offset, len(out), self.nbytes)
+        np.copyto(np.frombuffer(out, np.uint8), self._np[offset : offset + len(out)])
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """The bytes themselves, without a copy (the transport uses this when a
+        source has it; they must stay unchanged until the transfer completes)."""
+        _check(offset, n, self.nbytes)
+        return self._mv[offset : offset + n]
+
+
+class BytesSink:
+    """A sink that fills a preallocated bytearray (``.data``)."""
+
+    def __init__(
+        self,
+        nbytes: int,
+        *,
+        layout_hash: int = 0,
+        token_range: tuple[int, int] = (0, 0),
+        layer_range: tuple[int, int] = (0, 0),
+    ) -> None:
+        self.data = bytearray(nbytes)
+        self._np = np.frombuffer(self.data, np.uint8)
+        self.nbytes = nbytes
+        self.layout_hash = layout_hash
+        self.token_range = token_range
+        self.layer_range = layer_range
+        self.writes = 0
+        self.flushed = False
+
+    def write(self, offset: int, data: memoryview) -> None:
+        _check(offset, len(data), self.nbytes)
+        np.copyto(self._np[offset : offset + len(data)], np.frombuffer(data, np.uint8))
+        self.writes += 1
+
+    def view(self, offset: int, n: int) -> memoryview:
+        """The destination bytes themselves (the receiver reads into them)."""
+        _check(offset, n, self.nbytes)
+        self.writes += 1
+        return memoryview(self.data)[offset : offset + n]
+
+    def flush(self) -> None:
+        self.flushed = True
+
+
+class _KVBase:
+    def __init__(
+        self,
+        cache: Any,
+        block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None,
+    ) -> None:
+        from ... import pack as _pack  # the C++ core, loaded with the first KV source
+
+        self._pack: Any = _pack
+        layout = cache.layout
+        l0, l1 = layout.layer_range(layers)
+        if not 0 <= start <= end:
+            raise InvalidArgument(f"bad token range [{start}, {end})")
+        self.cache = cache
+        self.block_table = block_table
+        self.start, self.end = start, end
+        self.layers = (l0, l1)
+        self.nbytes = int(_pack.wire_nbytes(layout, start, end, (l0, l1)))
+        self.itemsize = layout.itemsize
+        self.layout_hash = layout.compat_hash
+        self.token_range = (start, end)
+        self.layer_range = (l0, l1)
+
+
+class KVSource(_KVBase):
+    """The wire bytes of tokens ``[start, end)`` and ``layers`` of one request,
+    packed from a :class:`kvbridge.pack.PagedKVCache` through its block table.
+    A CUDA cache packs into pinned host memory (the device-to-host copy is part
+    of the pack kernel's output), and waits for it."""
+
+    def read(self, offset: int, n: int) -> memoryview:
+        """A new buffer of the bytes ``[offset, offset + n)``: the pack core
+        writes every byte, so it is not zero-filled first."""
+        _check(offset, n, self.nbytes)
+        if getattr(self.cache, "is_cuda", False):
+            import torch
+
+            stage = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            self._pack_to(stage, offset, n)
+            torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
+            return stage.numpy().data  # the array keeps the pinned tensor alive
+        out = np.empty(n, dtype=np.uint8)
+        self._pack_to(out, offset, n)
+        return out.data
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        _check(offset, len(out), self.nbytes)
+        if getattr(self.cache, "is_cuda", False):
+            np.frombuffer(out, dtype=np.uint8)[:] = self.read(offset, len(out))
+            return
+        self._pack_to(np.frombuffer(out, dtype=np.uint8), offset, len(out))
+
+    def _pack_to(self, out: Any, offset: int, n: int) -> None:
+        self._pack.pack(
+            self.cache, self.block_table, self.start, self.end,
+            layers=self.layers, out=out, offset=offset, nbytes=n,
+        )  # fmt: skip
+
+
+class KVSink(_KVBase):
+    """Unpacks verified chunks straight into the destination pages.  A CUDA
+    cache unpacks from a pinned staging copy and waits for the kernel."""
+
+    def write(self, offset: int, data: memoryview) -> None:
+        _check(offset, len(data), self.nbytes)
+        src: Any = np.frombuffer(data, dtype=np.uint8)
+        cuda = getattr(self.cache, "is_cuda", False)
+        if cuda:
+            import torch
+
+            stage = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
+            stage.numpy()[:] = src
+            src = stage
+        self._pack.unpack(
+            self.cache,
+            self.block_table,
+            self.start,
+            self.end,
+            src,
+            layers=self.layers,
+            offset=offset,
+        )
+        if cuda:
+            torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
+
+    def flush(self) -> None:
+        """Every write already waited for its kernel: nothing is pending."""
