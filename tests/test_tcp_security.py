@@ -44,7 +44,11 @@ def test_tls_round_trip(certs: dict[str, Path], mutual: bool) -> None:
             keyfile=certs["client_key"] if mutual else None,
         )
         rx = await TcpReceiver(ssl=sctx).start()
-        tx = TcpSender("127.0.0.1", rx.port, ssl=cctx, server_hostname="localhost", streams=2)
+        # under mutual TLS the identity is one of the certificate's names (its CN here)
+        tx = TcpSender(
+            "127.0.0.1", rx.port, ssl=cctx, server_hostname="localhost", streams=2,
+            identity="client" if mutual else "kvbridge-sender",
+        )  # fmt: skip
         await one_transfer(rx, tx)
         await tx.close()
         await rx.close()

@@ -145,7 +145,7 @@ class DecodeBridge:
             stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
 
             def finish_tcp(_n: Any, st: DeliveryStats) -> None:
-                st.wire_bytes = int(h.stats.get("wire_bytes", st.bytes))
+                st.wire_bytes = h.stats.wire_bytes  # the chunk bodies that arrived
 
             exp = Expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish_tcp)
         elif via == "ucx":

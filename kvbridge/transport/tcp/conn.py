@@ -25,12 +25,15 @@ from ...errors import (
     LocalProtocolError,
     PeerGone,
     RemoteProtocolError,
+    code_for_error,
+    error_for_code,
     map_os_error,
 )
 from ...wire.codec import FrameDecoder, encode_frame_parts
 from ...wire.frames import (
     CONTROL_FIRST,
     Auth,
+    Capability,
     Control,
     Error,
     Hello,
@@ -40,13 +43,7 @@ from ...wire.frames import (
     Pong,
     Ready,
 )
-from ...wire.handshake import (
-    ClientHandshake,
-    PeerInfo,
-    ServerHandshake,
-    code_for_exception,
-    exception_for_error,
-)
+from ...wire.handshake import ClientHandshake, PeerInfo, ServerHandshake
 
 log = logging.getLogger("kvbridge.transport")
 
@@ -54,6 +51,8 @@ __all__ = ["FrameConnection", "connect", "serve_handshake"]
 
 Handler = Callable[["FrameConnection", Message], None]
 _HANDSHAKE_MAX_PAYLOAD = 65536
+_HANDSHAKE_STAGING = 8192  # a connection's read buffer until it authenticated
+_STAGING = 256 << 10  # then
 
 
 CLOSE_GRACE_S = 5.0  # at most this long to flush a closing connection's queue
@@ -74,7 +73,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         replies_only: bool = False,
     ) -> None:
         self.id = next(self._ids)
-        self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD)
+        self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD, staging=_HANDSHAKE_STAGING)
         self.decoder.on_message = self._on_decoded  # in order, as each frame is parsed
         self.transport: asyncio.Transport | None = None
         self.peer: PeerInfo | None = None
@@ -151,7 +150,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         if isinstance(m, Pong):
             return
         if isinstance(m, Error):
-            self.close_error = exception_for_error(m.code, m.reason)
+            self.close_error = error_for_code(m.code, m.reason, connection=True)
             if self.handler is None:
                 self._inbox.put_nowait(self.close_error)
             self.abort_transport()
@@ -247,6 +246,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         """The handshake is done: bound frames by our limit, start keepalive."""
         self.peer = peer
         self.decoder.version = peer.version
+        self.decoder.set_staging(_STAGING)
         self.handler = handler
         while not self._inbox.empty():
             item = self._inbox.get_nowait()
@@ -283,7 +283,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.close_error = exc
         if send_error and isinstance(exc, RemoteProtocolError | KVBridgeError):
             with contextlib.suppress(Exception):
-                self.send(Error(int(code_for_exception(exc)), str(exc)[:1000]))
+                self.send(Error(code_for_error(exc), str(exc)[:1000]))
         self.close()
 
     def close(self) -> None:
@@ -387,7 +387,7 @@ async def serve_handshake(conn: FrameConnection, hs: ServerHandshake, timeout: f
     try:
         await asyncio.wait_for(_server_steps(conn, hs), timeout)
     except KVBridgeError as e:  # first: our timeout errors are TimeoutErrors too
-        err = hs.error or Error(int(code_for_exception(e)), str(e))
+        err = hs.error or Error(code_for_error(e), str(e))
         if not conn.closed:
             with contextlib.suppress(KVBridgeError):
                 conn.send(err)
@@ -411,4 +411,8 @@ async def _server_steps(conn: FrameConnection, hs: ServerHandshake) -> None:
         raise RemoteProtocolError(f"expected AUTH, got {type(auth).__name__}")
     ready = hs.on_auth(auth)
     conn.set_max_payload(hs.max_frame)
+    assert hs.peer is not None
+    # both announced RANGES: the client's DATA frames carry the header check
+    # from its first frame after READY on (docs/protocol.md 5.9)
+    conn.decoder.data_check = bool(hs.peer.capabilities & hs.capabilities & Capability.RANGES)
     conn.send(ready)
