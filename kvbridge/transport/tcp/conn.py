@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from ...errors import (
+    AuthenticationError,
     ConnectTimeout,
     HandshakeTimeout,
     KVBridgeError,
@@ -73,6 +74,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         replies_only: bool = False,
     ) -> None:
         self.id = next(self._ids)
+        self.frames_in = 0  # frames decoded so far
         self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD, staging=_HANDSHAKE_STAGING)
         self.decoder.on_message = self._on_decoded  # in order, as each frame is parsed
         self.transport: asyncio.Transport | None = None
@@ -118,6 +120,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.fail(e)
 
     def _on_decoded(self, m: Message) -> None:
+        self.frames_in += 1
         if not self.closed:
             self._dispatch(m)
 
@@ -331,7 +334,15 @@ async def connect(
     keepalive_timeout: float = 20.0,
 ) -> FrameConnection:
     """Open a connection and run the client handshake; raises ConnectTimeout,
-    HandshakeTimeout, PeerGone, or the handshake's typed error."""
+    HandshakeTimeout, PeerGone, or the handshake's typed error.
+
+    Over TLS, a receiver that resets the TLS handshake, or closes the
+    connection after it without answering HELLO (no ERROR frame), refused us
+    at the TLS layer: our client certificate (absent, from another CA,
+    expired) or our TLS parameters.  A kvbridge receiver answers every HELLO
+    otherwise, so that is AuthenticationError at once, not PeerGone to
+    retry.  (asyncio reports such a refusal as a reset or a clean close, never
+    with the alert, so the reason cannot be told apart further.)"""
     loop = asyncio.get_running_loop()
     try:
         _, conn = await asyncio.wait_for(
@@ -349,18 +360,30 @@ async def connect(
         )
     except TimeoutError:
         raise ConnectTimeout(f"connect to {host}:{port} took over {connect_timeout} s") from None
+    except (ConnectionResetError, ConnectionAbortedError, EOFError) as e:
+        if ssl is None:
+            raise map_os_error(e, "connect") from e
+        raise AuthenticationError(
+            f"{host}:{port} reset the TLS handshake: it refused our client certificate "
+            f"or TLS parameters ({e!r})"
+        ) from e
     except (OSError, _ssl.SSLError) as e:
         raise map_os_error(e, "connect") from e
     assert isinstance(conn, FrameConnection)
     try:
         await asyncio.wait_for(_client_steps(conn, handshake), handshake_timeout)
     except KVBridgeError as e:  # first: our timeout errors are TimeoutErrors too
+        if ssl is not None and isinstance(e, PeerGone) and conn.frames_in == 0:
+            e = AuthenticationError(
+                f"{host}:{port} closed the TLS connection without answering HELLO: it "
+                f"refused our client certificate or TLS parameters ({e})"
+            )
         if handshake.error is not None:
             with contextlib.suppress(KVBridgeError):
                 conn.send(handshake.error)
         conn.close_error = e
         conn.close()
-        raise
+        raise e from None
     except TimeoutError:
         conn.abort_transport()
         raise HandshakeTimeout(

@@ -45,6 +45,7 @@ from ...wire.frames import (
     Control,
     Data,
     DataHead,
+    Error,
     Message,
     Open,
 )
@@ -293,7 +294,9 @@ class TcpReceiver:
             # nothing is kept for a connection that has not authenticated but
             # the connection itself, and only this many of those
             self.stats["handshakes_refused"] += 1
-            conn.abort_transport()
+            with contextlib.suppress(KVBridgeError):
+                conn.send(Error(ErrorCode.RESOURCE_LIMIT, "too many pending handshakes"))
+            conn.close()
             return
         conn.decoder.allocate = self._bufpool.get
         conn.decoder.place = lambda head: self._place(conn, head)
