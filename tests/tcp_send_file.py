@@ -15,7 +15,8 @@ from kvbridge.transport.tcp.kvio import BytesSource
 
 async def main() -> None:
     host, port, token, path, chunk, streams = sys.argv[1:7]
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     tx = TcpSender(host, int(port), chunk_size=int(chunk), streams=int(streams), compression="off")
     h = tx.send("r", BytesSource(data), token=bytes.fromhex(token), timeout=120)
     print("sending", flush=True)

@@ -9,6 +9,7 @@ chunks, the ack timer, the reconnect clock and layer-wise readiness."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 
@@ -254,7 +255,7 @@ def test_rangeset_against_a_bitmap() -> None:
             miss = {i for a2, b2 in rs.missing(x, y) for i in range(a2, b2)}
             assert miss == {i for i in range(x, y) if not bits[i]}
             spans = rs.spans()  # coalesced, ascending
-            assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in zip(spans, spans[1:], strict=False))
+            assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in itertools.pairwise(spans))
 
 
 # ---- the receiver: OPEN, RESUME, DATA, duplicates, NACK, COMPLETE ----------------------------
@@ -389,7 +390,7 @@ def test_receiver_a_failed_write_nacks_every_frame_that_waited_on_it() -> None:
 def test_receiver_damaged_chunk_limit_aborts_with_checksum() -> None:
     rx = rx_for(10, bad=2)
     rx.on_open("a", open_msg(1, 10, 10), False, 0.0)
-    for i in range(3):
+    for _ in range(3):
         (w,) = only(rx.on_data("a", data(1, 10, 0, bytes(10)), 0.0), Write)
         outs = rx.write_failed(w.job, ChecksumError("bad"), 0.0)  # type: ignore[attr-defined]
     assert replies(outs)[0] == Nack(1, 0, 10, ErrorCode.CHECKSUM)  # the 3rd is NACKed too, then
@@ -761,5 +762,6 @@ def test_chunks_whose_bytes_are_not_ready_are_not_offered() -> None:
     assert tx.set_ready(25, 1.0) == [Wake()]
     assert [tx.pop_pending(), tx.pop_pending()] == [0, 1] and not tx.has_pending()
     assert tx.next_deadline == 4.0  # waiting for bytes from 25 since t=1
-    (abort, fin) = tx.poll(4.0)
+    (owed, fin) = tx.poll(4.0)
+    assert owed == AbortUnopened(ErrorCode.TIMEOUT, str(fin.error))  # type: ignore[union-attr]
     assert isinstance(fin, Finished) and isinstance(fin.error, TransferTimeout)
