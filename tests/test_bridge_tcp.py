@@ -41,7 +41,7 @@ def test_the_decode_side_reports_the_wire_bytes_that_arrived() -> None:
 
     async def main() -> None:
         src = pack.PagedKVCache.allocate(P, 96, fill=7)  # compresses well
-        pre, md, dst = await _bridges(src, streams=2, chunk_size=64 << 10, compression="zstd")
+        pre, md, _dst = await _bridges(src, streams=2, chunk_size=64 << 10, compression="zstd")
         n = 1200
         st, mt = _table(96, n, 1), _table(96, n, 2)
         e = md.expect("r", mt, 0, n)
@@ -94,7 +94,7 @@ def test_a_stalled_layerwise_send_does_not_delay_another_transfer() -> None:
 def test_a_layer_not_ready_in_time_fails_the_send_with_a_timeout() -> None:
     async def main() -> None:
         src = pack.PagedKVCache.allocate(P, 96, fill="random", seed=4)
-        pre, md, dst = await _bridges(src, streams=2, chunk_size=32 << 10)
+        pre, md, _dst = await _bridges(src, streams=2, chunk_size=32 << 10)
         n = 400
         e = md.expect("lw", _table(96, n, 6), 0, n)
         lw = pre.send_layerwise("lw", _table(96, n, 7), {"md": e.ticket}, layer_timeout=0.5)

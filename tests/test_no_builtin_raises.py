@@ -40,9 +40,9 @@ def builtin_raises() -> list[tuple[str, int, str]]:
                 continue
             exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
             name = exc.id if isinstance(exc, ast.Name) else None
-            if name in BUILTIN_EXCEPTIONS and name not in NOT_ERRORS:
-                if (rel, name) not in ALLOWED:
-                    out.append((rel, node.lineno, name))
+            allowed = name in NOT_ERRORS or (rel, name) in ALLOWED
+            if name in BUILTIN_EXCEPTIONS and not allowed:
+                out.append((rel, node.lineno, name))
     return out
 
 
