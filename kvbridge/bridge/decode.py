@@ -7,8 +7,8 @@ from typing import Any
 
 from ..errors import InvalidArgument, Unavailable
 from ..pack import PagedKVCache
+from ..transport.tcp import ReceiverLimits, TcpReceiver
 from ..transport.tcp.kvio import KVSink
-from ..transport.tcp.receiver import ReceiverLimits, TcpReceiver
 from .handles import Delivery, DeliveryStats
 from .ticket import Ticket, TicketTransport
 
@@ -41,6 +41,7 @@ class DecodeBridge:
         psk: bytes | dict[str, bytes] | None = None,
         ssl: _ssl.SSLContext | None = None,
         allowed_identities: frozenset[str] | None = None,
+        tls_identity: str = "cn_or_san",
         limits: ReceiverLimits | None = None,
         ucx: bool = False,
         ucx_options: dict[str, Any] | None = None,
@@ -60,6 +61,7 @@ class DecodeBridge:
                 psk=psk,
                 ssl=ssl,
                 allowed_identities=allowed_identities,
+                tls_identity=tls_identity,
                 limits=limits or ReceiverLimits(),
                 keepalive_interval=keepalive_interval,
                 keepalive_timeout=keepalive_timeout,
