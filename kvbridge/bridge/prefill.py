@@ -441,7 +441,10 @@ class LayerwiseSend(SendGroup):
                     layer_timeout=layer_timeout,
                 )
                 self._sources[name] = src
-                self._tcp[name] = bridge._tcp_delivery(name, rid, src, t, priority, timeout)
+                d = bridge._tcp_delivery(name, rid, src, t, priority, timeout)
+                # a transfer that ended early must not leave a pack waiting for its layers
+                d.add_done_callback(lambda _d, src=src: src.cancel())
+                self._tcp[name] = d
             elif t.layer_start == t.layer_end:
                 self._ucx_released[name].set()
         self._tasks = self._start_watching()
