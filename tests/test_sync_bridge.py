@@ -557,3 +557,21 @@ def test_events_are_typed_records() -> None:
     f = TransferFailed("r", "md", "send", err)
     assert f.error is err and not BridgeEvents() and BridgeEvents(released=["r"])
     assert TransferDone("r", "md", None).peer == "md"  # type: ignore[arg-type]
+
+
+def test_a_taken_address_and_unbounded_waits_are_refused() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        b = SyncBridge(pack.PagedKVCache.allocate(P, 4), tcp_listen=taken.getsockname())
+        with pytest.raises(Unavailable, match="cannot listen"):
+            b.start()
+        assert not [t for t in threading.enumerate() if t.name.startswith("kvbridge-")]
+    with SyncBridge(pack.PagedKVCache.allocate(P, 4), identity="u",
+                    tcp_listen=("127.0.0.1", 0)) as u:  # fmt: skip
+        for bad in (None, 0, float("inf")):
+            with pytest.raises(InvalidArgument, match="timeout"):
+                u.expect("r", [0], 0, 1, timeout=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgument, match="timeout"):
+                u.send("r", [0], {}, timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="ticket"):
+            u.send("r", [0], {"md": "a string"})  # type: ignore[dict-item]
+        assert u.pending == ([], [])

@@ -111,13 +111,7 @@ class SyncBridge:
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise InvalidArgument(f"cache must be a kvbridge.pack.PagedKVCache, not {cache!r}")
-        if (
-            isinstance(call_timeout, bool)
-            or not isinstance(call_timeout, int | float)
-            or not math.isfinite(call_timeout)
-            or call_timeout <= 0
-        ):
-            raise InvalidArgument(f"call_timeout must be finite and > 0 seconds: {call_timeout!r}")
+        _seconds(call_timeout, "call_timeout")
         check_lease_seconds(lease_timeout, "lease_timeout")
         self.cache = cache
         self.identity = identity
@@ -148,6 +142,7 @@ class SyncBridge:
         self._loop: LoopThread | None = None
         self._prefill: PrefillBridge | None = None
         self._decode: DecodeBridge | None = None
+        self._tcp_port: int | None = None
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> SyncBridge:
@@ -197,7 +192,12 @@ class SyncBridge:
                 keepalive_timeout=cfg["keepalive_timeout"],
                 metrics=view,
             )
-            await self._decode.start()
+            try:
+                await self._decode.start()
+            except OSError as e:  # the address is taken, or not ours
+                raise Unavailable(f"cannot listen on {cfg['tcp_listen']}: {e}") from e
+            if cfg["tcp_listen"] is not None:
+                self._tcp_port = int(self._decode.tcp_address[1])
         self._prefill = PrefillBridge(
             self.cache,
             identity=self.identity,
@@ -307,9 +307,9 @@ class SyncBridge:
     def tcp_port(self) -> int:
         """The port the TCP listener is bound to (``tcp_listen``)."""
         self._running("tcp_port")
-        if self._decode is None or self._cfg["tcp_listen"] is None:
+        if self._tcp_port is None:
             raise Unavailable("this bridge has no TCP listener (tcp_listen=None)")
-        return int(self._decode.tcp_address[1])
+        return self._tcp_port
 
     def ucx_metadata(self) -> bytes:
         """The opaque bytes a peer passes to ``connect`` (``PeerConfig("ucx",
@@ -385,6 +385,7 @@ class SyncBridge:
         lt = self._running("expect()")
         rid = str(request_id)
         bt = _table(block_table)
+        _seconds(timeout, "timeout")
 
         def run() -> bytes:
             self._on_loop_check("expect()")
@@ -440,7 +441,9 @@ class SyncBridge:
         lt = self._running("send()")
         rid = str(request_id)
         bt = _table(block_table)
-        tk = {str(n): (t if isinstance(t, Ticket) else bytes(t)) for n, t in tickets.items()}
+        _seconds(timeout, "timeout")
+        _seconds(layer_timeout, "layer_timeout")
+        tk = {str(n): _ticket_bytes(n, t) for n, t in dict(tickets).items()}
 
         def run() -> None:
             self._on_loop_check("send()")
@@ -648,6 +651,26 @@ def _table(block_table: Any) -> np.ndarray:
     if bt.size and (bt.min() < np.iinfo(np.int32).min or bt.max() > np.iinfo(np.int32).max):
         raise InvalidArgument("block_table has page ids outside int32")
     return bt.astype(np.int32)
+
+
+def _seconds(value: float, what: str) -> float:
+    """A bound in seconds: finite and > 0 (a wait without one would not end)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidArgument(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _ticket_bytes(name: object, t: object) -> bytes | Ticket:
+    if isinstance(t, Ticket):
+        return t
+    if not isinstance(t, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{name}: a ticket is the bytes expect() returned, not {t!r}")
+    return bytes(t)
 
 
 def _control_type(frame_type: int) -> int:
