@@ -109,7 +109,7 @@ class SyncBridge:
         keepalive_timeout: float = 20.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(cache, PagedKVCache):
+        if not hasattr(cache, "layout"):
             raise InvalidArgument(f"cache must be a kvbridge.pack.PagedKVCache, not {cache!r}")
         _seconds(call_timeout, "call_timeout")
         check_lease_seconds(lease_timeout, "lease_timeout")
