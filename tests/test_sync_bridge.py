@@ -427,8 +427,8 @@ def test_every_call_is_bounded_even_when_the_loop_thread_is_stuck() -> None:
                 call()
             assert time.monotonic() - t0 < 1.5
         t0 = time.monotonic()
-        assert not md.poll()  # poll never waits for the loop
-        assert time.monotonic() - t0 < 0.05
+        assert not md.poll()  # poll never waits for the loop (stuck for 3 s)
+        assert time.monotonic() - t0 < 0.5
     finally:
         time.sleep(3.0)
         pre.close()
@@ -445,7 +445,7 @@ def test_connect_is_bounded_by_its_connect_timeout() -> None:
                 with pytest.raises(ConnectTimeout):
                     pre.connect("x", PeerConfig("tcp", "127.0.0.1", silent.getsockname()[1],
                                                 connect_timeout=0.5))  # fmt: skip
-                assert time.monotonic() - t0 < 1.2
+                assert time.monotonic() - t0 < 2.0  # not the 10 s handshake timeout
                 assert pre.destinations == []
         # the connections cut off mid-handshake were closed, not left to the loop's end
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
@@ -500,7 +500,7 @@ def test_every_call_after_close_raises_at_once() -> None:
         t0 = time.monotonic()
         with pytest.raises(BridgeClosed):
             call()
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 0.5  # no waiting on a loop, none on a peer
     assert not b.close()  # a second close is a no-op
 
 
