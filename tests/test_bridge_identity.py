@@ -119,6 +119,16 @@ def test_differences_name_what_differs() -> None:
     assert describe_differences(odd, SMOL) == ["kv dtype code 9 != bf16"]
 
 
+def test_a_long_model_name_keeps_the_error_reason_within_its_bound() -> None:
+    a = PeerDescription(3, 2, 30, 3, 0, 3, 64, "a" * 4096)
+    b = PeerDescription(3, 2, 30, 3, 0, 3, 64, "b" * 4096)
+    c, s = _shake(a, b)
+    with pytest.raises(IncompatiblePeer):
+        s.on_hello(c.hello())
+    assert s.error is not None and len(s.error.reason.encode()) < 1024
+    encode_frame(s.error)  # the ERROR frame can be sent
+
+
 def test_describe_a_layout() -> None:
     d = describe(L, "m")
     assert (d.dtype, d.components, d.num_layers, d.num_kv_heads, d.head_dim) == (3, 2, 4, 2, 64)

@@ -139,7 +139,7 @@ def describe_differences(theirs: PeerDescription, ours: PeerDescription) -> list
     when both name one; head ranges must overlap."""
     out: list[str] = []
     if theirs.model and ours.model and theirs.model != ours.model:
-        out.append(f"model {theirs.model!r} != {ours.model!r}")
+        out.append(f"model {_short(theirs.model)!r} != {_short(ours.model)!r}")
     if theirs.dtype != ours.dtype:
         out.append(f"kv dtype {theirs.dtype_name} != {ours.dtype_name}")
     if theirs.num_layers != ours.num_layers:
@@ -157,3 +157,9 @@ def describe_differences(theirs: PeerDescription, ours: PeerDescription) -> list
     if theirs.head_dim != ours.head_dim:
         out.append(f"head dim {theirs.head_dim} != {ours.head_dim}")
     return out
+
+
+def _short(model: str, keep: int = 200) -> str:
+    """A model name as messages show it: long digests are cut, so that an
+    ERROR reason stays far below the 4096-byte string bound."""
+    return model if len(model) <= keep else model[: keep - 3] + "..."
