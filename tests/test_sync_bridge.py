@@ -575,3 +575,29 @@ def test_a_taken_address_and_unbounded_waits_are_refused() -> None:
         with pytest.raises(InvalidArgument, match="ticket"):
             u.send("r", [0], {"md": "a string"})  # type: ignore[dict-item]
         assert u.pending == ([], [])
+
+
+def test_a_control_handler_may_answer_but_not_block(pair: Any) -> None:
+    pre, md, _, _ = pair
+    answers: list[tuple[str, bytes]] = []
+    outcome: dict[str, object] = {}
+    done = threading.Event()
+
+    def on_query(peer: str, t: int, payload: bytes) -> None:  # on kvbridge's thread
+        md.send_control(peer, 0x61, payload[::-1])  # answering runs at once
+        outcome["cancel"] = md.cancel("nothing")
+        try:
+            md.connect("x", PeerConfig("tcp", "127.0.0.1", 1))
+        except InvalidArgument as e:
+            outcome["connect"] = e
+
+    def on_reply(peer: str, t: int, payload: bytes) -> None:
+        answers.append((peer, payload))
+        done.set()
+
+    md.on_control(0x60, on_query)
+    pre.on_control(0x61, on_reply)
+    pre.send_control("md", 0x60, b"abc")
+    assert done.wait(10)
+    assert answers == [("md", b"cba")] and outcome["cancel"] is False
+    assert isinstance(outcome["connect"], InvalidArgument)
