@@ -109,6 +109,9 @@ class LinkPool:
     def __len__(self) -> int:
         return len(self.links)
 
+    def __getitem__(self, i: int) -> Link:
+        return self.links[i]
+
     @property
     def live(self) -> list[Link]:
         return [lk for lk in self.links if not lk.closed]

@@ -35,6 +35,7 @@ from ...errors import (
     PeerGone,
     RemoteProtocolError,
 )
+from ...wire.description import PeerDescription
 from ...wire.frames import (
     ALL_CAPABILITIES,
     DATA_HEADER_SIZE,
@@ -120,12 +121,14 @@ class TcpReceiver:
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 20.0,
         workers: int | None = None,
+        description: PeerDescription | None = None,
     ) -> None:
         if not (handshake_timeout > 0 and math.isfinite(handshake_timeout)):
             raise InvalidArgument("handshake_timeout must be a positive number of seconds")
         self.host, self._port = host, port
         self.identity = identity
         self.compat_hash = compat_hash
+        self.description = description  # sent in HELLO_ACK (docs/protocol.md 4.7)
         self.psk = psk
         self.allowed = allowed_identities
         self.ssl = ssl
@@ -320,6 +323,7 @@ class TcpReceiver:
                 capabilities=ALL_CAPABILITIES,
                 admit=admit,
                 cert_names=self._cert_names(conn),
+                description=self.description,
             )
             info: PeerInfo = await serve_handshake(conn, hs, self.handshake_timeout)
         except KVBridgeError as e:

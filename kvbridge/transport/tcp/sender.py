@@ -38,6 +38,7 @@ from ...errors import (
     PeerGone,
     RemoteProtocolError,
 )
+from ...wire.description import PeerDescription
 from ...wire.frames import (
     ALL_CAPABILITIES,
     CODEC_CAPABILITIES,
@@ -131,6 +132,7 @@ class TcpSender:
         scheduler: str = "srpt",
         max_resends: int = 8,
         workers: int | None = None,
+        description: PeerDescription | None = None,
     ) -> None:
         if streams < 1:
             raise InvalidArgument("streams must be >= 1")
@@ -153,6 +155,7 @@ class TcpSender:
         self.chunk_size = chunk_size
         self.identity = identity
         self.compat_hash = compat_hash
+        self.description = description  # sent in HELLO (docs/protocol.md 4.7)
         self.psk = psk
         self.expected_peer = expected_peer
         self.reconnect_timeout = reconnect_timeout
@@ -201,6 +204,7 @@ class TcpSender:
             psk=self.psk,
             expected_peer=self.expected_peer,
             capabilities=ALL_CAPABILITIES,
+            description=self.description,
         )
 
     # ---- connections ---------------------------------------------------------------------
