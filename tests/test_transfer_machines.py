@@ -688,12 +688,13 @@ def test_a_silently_dropped_chunk_is_resent_after_the_ack_timer() -> None:
     p.drop = lambda f: f.offset in lost and not lost.discard(f.offset)
     p.run(["a"], step=0.1)
     assert p.tx_done == [None] and bytes(p.dest) == p.payload
-    assert p.tx.retries == 1 and p.now <= 2.0  # resent after about 2 x 0.5 s (no sample yet)
+    assert p.tx.retries == 1 and p.now <= 2.0  # resent after about 0.5 s (the floor)
 
 
 def test_ack_timer_adapts_and_backs_off_per_chunk() -> None:
     clock = AckClock(0.1)
-    assert clock.rto == 0.2
+    assert clock.rto == 8.0  # before any measurement: generous (a slow link's first chunk)
+    assert AckClock(5.0).rto == 10.0
     for _ in range(20):
         clock.observe(1.0)
     assert 1.0 <= clock.rto < 1.5
@@ -706,7 +707,7 @@ def test_ack_timer_adapts_and_backs_off_per_chunk() -> None:
         idx = tx.pop_pending()
         tx.claim("a", idx)
         tx.sent("a", idx, 1, now)
-        deadlines.append(tx.inflight[idx].deadline - now)  # type: ignore[operator]
+        deadlines.append(tx.next_deadline - now)  # type: ignore[operator]
         now = tx.next_deadline  # type: ignore[assignment]
         assert tx.poll(now) == [Wake()]
     assert deadlines[1] == pytest.approx(2 * deadlines[0]) and deadlines[2] == pytest.approx(
@@ -723,11 +724,11 @@ def test_a_late_ack_after_a_resend_is_not_a_sample() -> None:
     idx = tx.pop_pending()
     tx.claim("a", idx)
     tx.sent("a", idx, 1, 0.0)
-    tx.poll(5.0)  # timed out: sent again
+    assert tx.poll(9.0) == [Wake()]  # timed out (8 s before any measurement): sent again
     idx = tx.pop_pending()
     tx.claim("a", idx)
-    tx.sent("a", idx, 1, 5.0)
-    tx.on_message("a", Ack(1, ((0, 10),)), 5.1)
+    tx.sent("a", idx, 1, 9.0)
+    tx.on_message("a", Ack(1, ((0, 10),)), 9.1)
     assert clock.srtt is None  # Karn: a resent chunk's ACK measures nothing
 
 
@@ -765,3 +766,46 @@ def test_chunks_whose_bytes_are_not_ready_are_not_offered() -> None:
     (owed, fin) = tx.poll(4.0)
     assert owed == AbortUnopened(ErrorCode.TIMEOUT, str(fin.error))  # type: ignore[union-attr]
     assert isinstance(fin, Finished) and isinstance(fin.error, TransferTimeout)
+
+
+def test_ack_timer_runs_from_the_links_last_reply_for_a_queued_chunk() -> None:
+    """A chunk queued behind others on a slow link is not taken for lost
+    while the link keeps replying; once the link falls silent, it is."""
+    progress = {"a": 0.0}
+    clock = AckClock(1.0)
+    clock.observe(1.0)  # rto = 1 + 4 * 0.5 = 3
+    tx = TxTransfer("req", TOKEN, 100, deadline=100.0, now=0.0, clock=clock,
+                    progress_of=progress.__getitem__)  # fmt: skip
+    tx.start(10, 0.0)
+    tx.attach("a", 1)
+    tx.links_changed(1, 0.0)
+    idx = tx.pop_pending()
+    tx.claim("a", idx)
+    tx.sent("a", idx, 1, 0.0)
+    assert tx.next_deadline == 3.0
+    progress["a"] = 2.5  # replies for other transfers' chunks on the link
+    assert tx.poll(3.0) == [] and tx.next_deadline == 5.5
+    assert tx.poll(5.5) == [Wake()] and tx.retries == 1
+
+
+def test_a_chunk_overtaken_on_its_link_is_resent_even_while_the_link_replies() -> None:
+    """A chunk dropped by the receiver while later chunks of the same link
+    are acknowledged: resent rto after it was overtaken, however busy the
+    link stays."""
+    progress = {"a": 0.0}
+    clock = AckClock(0.5)
+    clock.observe(0.1)
+    tx = TxTransfer("req", TOKEN, 100, deadline=100.0, now=0.0, clock=clock,
+                    progress_of=progress.__getitem__)  # fmt: skip
+    tx.start(10, 0.0)
+    tx.attach("a", 1)
+    tx.links_changed(1, 0.0)
+    for _ in range(2):
+        idx = tx.pop_pending()
+        tx.claim("a", idx)
+        tx.sent("a", idx, 1, 0.0)
+    tx.on_message("a", Ack(1, ((10, 10),)), 0.2)  # chunk 1 ACKed, chunk 0 not
+    for t in (0.3, 0.5, 0.7):
+        progress["a"] = t  # the link keeps replying (other traffic)
+    assert tx.next_deadline == pytest.approx(0.7)  # 0.2 + rto 0.5
+    assert tx.poll(0.7) == [Wake()] and tx.retries == 1

@@ -21,7 +21,8 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-from collections.abc import Hashable
+import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -97,12 +98,18 @@ TxOutput = SendAbort[L] | AbortUnopened | Wake | Finished
 
 
 # ---- the ack timer ---------------------------------------------------------------------
+INITIAL_RTO = 8.0  # before any measurement: a 4 MiB chunk on a 10 Mbit/s stream fits
+
+
 class AckClock:
-    """How long a chunk may stay unacknowledged: ``max(floor, srtt + 4 * rttvar)``
-    over the measured delay between handing a chunk to its connection and its
-    ACK (RFC 6298's estimator; a chunk sent again is not measured), ``2 *
-    floor`` before the first measurement.  One per sender: the delay is the
-    link's, not a transfer's."""
+    """How long a chunk may wait for its ACK once it is at the head of its
+    connection: ``max(floor, srtt + 4 * rttvar)`` over the measured waits
+    (RFC 6298's estimator; a chunk sent again is not measured),
+    ``max(2 * floor, INITIAL_RTO)`` before the first measurement.  A wait is
+    measured from the later of the moment the chunk was handed to its
+    connection and the connection's previous reply, so a chunk queued behind
+    others on a slow link is not taken for lost.  One per sender: the delay
+    is the link's, not a transfer's."""
 
     def __init__(self, floor: float) -> None:
         if not floor > 0:
@@ -123,7 +130,7 @@ class AckClock:
     @property
     def rto(self) -> float:
         if self.srtt is None:
-            return 2 * self.floor
+            return max(2 * self.floor, INITIAL_RTO)
         return max(self.floor, self.srtt + 4 * self.rttvar)
 
 
@@ -131,7 +138,9 @@ class AckClock:
 class _Flight(Generic[L]):
     link: L
     sent_at: float | None = None  # None while the chunk is being prepared
-    deadline: float | None = None
+    seq: int = 0  # this transfer's sends on the link, in order
+    backoff: int = 1
+    overtaken_at: float | None = None  # a chunk sent after it on its link was ACKed
 
 
 @dataclass
@@ -164,6 +173,7 @@ class TxTransfer(Generic[L]):
         limits: TxLimits | None = None,
         ready_bytes: int | None = None,
         planned_chunk: int = 1 << 20,
+        progress_of: Callable[[L], float] | None = None,
     ) -> None:
         self.request_id = request_id
         self.token = token
@@ -176,6 +186,10 @@ class TxTransfer(Generic[L]):
         self.deadline = deadline
         self.started = now
         self.clock = clock
+        # when a connection last brought any reply (of any transfer): the
+        # ack timer of a chunk queued behind others starts from there
+        self._progress_of: Callable[[L], float] = progress_of or (lambda _link: -math.inf)
+        self._sends: dict[L, int] = {}
         self.limits = limits or TxLimits()
         self.state = TxState.NEW
         self.error: KVBridgeError | None = None
@@ -232,7 +246,7 @@ class TxTransfer(Generic[L]):
         if self.finished:
             return None
         ds = [self.deadline]
-        ds += [f.deadline for f in self.inflight.values() if f.deadline is not None]
+        ds += [self._ack_deadline(f) for f in self.inflight.values() if f.sent_at is not None]
         if self._no_link_since is not None:
             ds.append(self._no_link_since + self.limits.reconnect_timeout)
         if self._waiting_for_bytes() and self.limits.ready_timeout is not None:
@@ -302,8 +316,9 @@ class TxTransfer(Generic[L]):
         f = self.inflight.get(idx)
         if f is None or f.link != link:
             return
-        backoff = min(MAX_BACKOFF, 2 ** self.timeouts.get(idx, 0))
-        f.sent_at, f.deadline = now, now + self.clock.rto * backoff
+        f.backoff = min(MAX_BACKOFF, 2 ** self.timeouts.get(idx, 0))
+        f.sent_at = now
+        f.seq = self._sends[link] = self._sends.get(link, 0) + 1
         self.chunks_sent += frames
 
     def unclaim(self, link: L, idx: int) -> list[TxOutput[L]]:
@@ -412,7 +427,7 @@ class TxTransfer(Generic[L]):
             )
         woke = False
         for idx, f in list(self.inflight.items()):
-            if f.deadline is not None and now >= f.deadline:
+            if f.sent_at is not None and now >= self._ack_deadline(f):
                 # not acknowledged in time: lost, or damaged on the way in its
                 # header (a receiver drops what it cannot attribute): send again
                 del self.inflight[idx]
@@ -422,6 +437,18 @@ class TxTransfer(Generic[L]):
         return [Wake()] if woke else []
 
     # ---- internals -------------------------------------------------------------------
+    def _ack_deadline(self, f: _Flight[L]) -> float:
+        """When chunk ``f`` counts as lost: ``rto`` (times its backoff) after
+        the later of its send and its connection's last reply; but no later
+        than ``rto`` after a chunk of ours sent after it on the same
+        connection was acknowledged (it was overtaken: the receiver dropped
+        it, or it is being written slowly)."""
+        assert f.sent_at is not None
+        base = max(f.sent_at, self._progress_of(f.link))
+        if f.overtaken_at is not None:
+            base = min(base, f.overtaken_at)
+        return base + self.clock.rto * f.backoff
+
     def _lowest(self) -> int:
         heap = self._heap
         while heap[0] not in self._pending:
@@ -474,14 +501,12 @@ class TxTransfer(Generic[L]):
                 self._pending.discard(idx)
                 self.nacks.pop(idx, None)
                 f = self.inflight.pop(idx, None)
-                if (
-                    measure
-                    and f is not None
-                    and f.link == link
-                    and f.sent_at is not None
-                    and idx not in self.timeouts
-                ):
-                    self.clock.observe(now - f.sent_at)
+                if f is not None and f.link == link and f.sent_at is not None:
+                    if measure and idx not in self.timeouts:
+                        self.clock.observe(now - max(f.sent_at, self._progress_of(link)))
+                    for g in self.inflight.values():
+                        if g.link == link and 0 < g.seq < f.seq and g.overtaken_at is None:
+                            g.overtaken_at = now
                 self.timeouts.pop(idx, None)
 
     def _on_nack(self, link: L, m: Nack) -> list[TxOutput[L]]:

@@ -49,6 +49,9 @@ class Link:
         self.tids: dict[int, Any] = {}  # transfer id -> the transfer it names here
         self._ids = itertools.count(1)
         self.writer: asyncio.Task[None] | None = None
+        # when the receiver last replied on it (ACK, NACK, RESUME, ...): the
+        # ack timers of chunks queued behind others run from there
+        self.progress_at = asyncio.get_running_loop().time()
 
     @property
     def closed(self) -> bool:

@@ -304,6 +304,7 @@ class TcpSender:
             ),
             ready_bytes=None if ready is None else int(ready),
             planned_chunk=self.chunk_size,
+            progress_of=_progress_of,
         )
         handle._transfer = t
         holder.append(t)
@@ -571,10 +572,15 @@ class TcpSender:
             return
         if not isinstance(m, Ack | Resume | Nack | Abort | Complete):
             raise RemoteProtocolError(f"a receiver may not send {type(m).__name__}")
+        now = self._now()
         t = link.tids.get(m.transfer_id)
-        if t is None or t.finished:
-            return
-        self._apply(t, t.on_message(link, m, self._now()))
+        if t is not None and not t.finished:
+            self._apply(t, t.on_message(link, m, now))
+        link.progress_at = now  # after: the ACK's wait is measured from the previous reply
+
+
+def _progress_of(link: Link) -> float:
+    return link.progress_at
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
