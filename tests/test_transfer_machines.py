@@ -56,11 +56,13 @@ from kvbridge.wire.txtransfer import (
     AbortUnopened,
     AckClock,
     Finished,
+    LinkClock,
     SendAbort,
     TxLimits,
     TxState,
     TxTransfer,
     Wake,
+    _Flight,
 )
 
 TOKEN = bytes(range(16))
@@ -693,8 +695,7 @@ def test_a_silently_dropped_chunk_is_resent_after_the_ack_timer() -> None:
 
 def test_ack_timer_adapts_and_backs_off_per_chunk() -> None:
     clock = AckClock(0.1)
-    assert clock.rto == 8.0  # before any measurement: generous (a slow link's first chunk)
-    assert AckClock(5.0).rto == 10.0
+    assert clock.rto == 0.2  # before any measurement
     for _ in range(20):
         clock.observe(1.0)
     assert 1.0 <= clock.rto < 1.5
@@ -724,11 +725,11 @@ def test_a_late_ack_after_a_resend_is_not_a_sample() -> None:
     idx = tx.pop_pending()
     tx.claim("a", idx)
     tx.sent("a", idx, 1, 0.0)
-    assert tx.poll(9.0) == [Wake()]  # timed out (8 s before any measurement): sent again
+    assert tx.poll(5.0) == [Wake()]  # timed out: sent again
     idx = tx.pop_pending()
     tx.claim("a", idx)
-    tx.sent("a", idx, 1, 9.0)
-    tx.on_message("a", Ack(1, ((0, 10),)), 9.1)
+    tx.sent("a", idx, 1, 5.0)
+    tx.on_message("a", Ack(1, ((0, 10),)), 5.1)
     assert clock.srtt is None  # Karn: a resent chunk's ACK measures nothing
 
 
@@ -768,44 +769,50 @@ def test_chunks_whose_bytes_are_not_ready_are_not_offered() -> None:
     assert isinstance(fin, Finished) and isinstance(fin.error, TransferTimeout)
 
 
-def test_ack_timer_runs_from_the_links_last_reply_for_a_queued_chunk() -> None:
-    """A chunk queued behind others on a slow link is not taken for lost
-    while the link keeps replying; once the link falls silent, it is."""
-    progress = {"a": 0.0}
-    clock = AckClock(1.0)
-    clock.observe(1.0)  # rto = 1 + 4 * 0.5 = 3
+def _linked(clock: AckClock, links: dict[str, LinkClock]) -> TxTransfer[str]:
     tx = TxTransfer("req", TOKEN, 100, deadline=100.0, now=0.0, clock=clock,
-                    progress_of=progress.__getitem__)  # fmt: skip
+                    link_clock=links.__getitem__)  # fmt: skip
     tx.start(10, 0.0)
     tx.attach("a", 1)
     tx.links_changed(1, 0.0)
+    return tx
+
+
+def _send(tx: TxTransfer[str], now: float) -> int:
     idx = tx.pop_pending()
     tx.claim("a", idx)
-    tx.sent("a", idx, 1, 0.0)
-    assert tx.next_deadline == 3.0
-    progress["a"] = 2.5  # replies for other transfers' chunks on the link
-    assert tx.poll(3.0) == [] and tx.next_deadline == 5.5
-    assert tx.poll(5.5) == [Wake()] and tx.retries == 1
+    tx.sent("a", idx, 1, now, 10)
+    return idx
+
+
+def test_a_chunk_queued_behind_others_on_a_slow_link_is_not_taken_for_lost() -> None:
+    """While its connection keeps replying, a chunk waits as long as it must;
+    the connection's stall time is rate-aware (4 chunk times)."""
+    lc = LinkClock(0.0)
+    tx = _linked(AckClock(0.1), {"a": lc})
+    other = _Flight("a")  # another transfer's chunk, ahead on the link
+    lc.on_send(other, 10)
+    _send(tx, 0.0)
+    assert tx.next_deadline == pytest.approx(20.0)  # the rate is unknown yet: 20 s
+    other.done = True
+    lc.on_reply(10, 5.0)  # 10 bytes in 5 s: 2 B/s; 4 chunk times = 20 s
+    assert lc.rate == pytest.approx(2.0)
+    assert tx.poll(20.0) == [] and tx.next_deadline == pytest.approx(25.0)
+    assert tx.poll(25.0) == [Wake()] and tx.retries == 1  # silent for 4 chunk times: lost
 
 
 def test_a_chunk_overtaken_on_its_link_is_resent_even_while_the_link_replies() -> None:
-    """A chunk dropped by the receiver while later chunks of the same link
-    are acknowledged: resent rto after it was overtaken, however busy the
-    link stays."""
-    progress = {"a": 0.0}
+    """A chunk the receiver dropped while later chunks on the same connection
+    are acknowledged (more bytes acknowledged there than were sent ahead of
+    it): resent rto after it was overtaken, however busy the link stays."""
+    lc = LinkClock(0.0)
     clock = AckClock(0.5)
-    clock.observe(0.1)
-    tx = TxTransfer("req", TOKEN, 100, deadline=100.0, now=0.0, clock=clock,
-                    progress_of=progress.__getitem__)  # fmt: skip
-    tx.start(10, 0.0)
-    tx.attach("a", 1)
-    tx.links_changed(1, 0.0)
-    for _ in range(2):
-        idx = tx.pop_pending()
-        tx.claim("a", idx)
-        tx.sent("a", idx, 1, 0.0)
-    tx.on_message("a", Ack(1, ((10, 10),)), 0.2)  # chunk 1 ACKed, chunk 0 not
+    tx = _linked(clock, {"a": lc})
+    first = _send(tx, 0.0)
+    _send(tx, 0.0)
+    tx.on_message("a", Ack(1, ((10, 10),)), 0.2)  # chunk 1 acknowledged, chunk 0 not
+    lc.on_reply(10, 0.2)
     for t in (0.3, 0.5, 0.7):
-        progress["a"] = t  # the link keeps replying (other traffic)
-    assert tx.next_deadline == pytest.approx(0.7)  # 0.2 + rto 0.5
-    assert tx.poll(0.7) == [Wake()] and tx.retries == 1
+        lc.on_reply(0, t)  # the link keeps replying (other traffic)
+    assert first in tx.inflight and tx.next_deadline == pytest.approx(0.2 + clock.rto)
+    assert tx.poll(0.2 + clock.rto) == [Wake()] and tx.retries == 1

@@ -21,10 +21,10 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
-import math
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import (
     ChecksumError,
@@ -44,6 +44,7 @@ __all__ = [
     "AbortUnopened",
     "AckClock",
     "Finished",
+    "LinkClock",
     "SendAbort",
     "TxOutput",
     "TxState",
@@ -97,19 +98,26 @@ class Finished:
 TxOutput = SendAbort[L] | AbortUnopened | Wake | Finished
 
 
-# ---- the ack timer ---------------------------------------------------------------------
-INITIAL_RTO = 8.0  # before any measurement: a 4 MiB chunk on a 10 Mbit/s stream fits
+# ---- loss detection ----------------------------------------------------------------------
+# A connection delivers in order and the receiver answers every DATA frame
+# (ACK or NACK), so a chunk is known lost when its connection acknowledged
+# more bytes than were sent on it ahead of the chunk (it was overtaken: the
+# receiver dropped it).  Otherwise only a connection that makes no progress
+# for a while (a blackhole; the last chunk dropped) says so: the stall time
+# is rate-aware, so a chunk queued behind others on a slow link is not taken
+# for lost.
+STALL_CHUNKS = 4.0  # a stall: no reply for this many chunk times at the link's rate
+INITIAL_STALL = 20.0  # ... or for this long while the link's rate is unknown
 
 
 class AckClock:
-    """How long a chunk may wait for its ACK once it is at the head of its
-    connection: ``max(floor, srtt + 4 * rttvar)`` over the measured waits
-    (RFC 6298's estimator; a chunk sent again is not measured),
-    ``max(2 * floor, INITIAL_RTO)`` before the first measurement.  A wait is
+    """How long a chunk may wait for its ACK once a later chunk on its
+    connection was acknowledged: ``max(floor, srtt + 4 * rttvar)`` over the
+    measured waits (RFC 6298's estimator; a chunk sent again is not
+    measured), ``2 * floor`` before the first measurement.  A wait is
     measured from the later of the moment the chunk was handed to its
-    connection and the connection's previous reply, so a chunk queued behind
-    others on a slow link is not taken for lost.  One per sender: the delay
-    is the link's, not a transfer's."""
+    connection and the connection's previous reply.  One per sender: the
+    delay is the link's, not a transfer's."""
 
     def __init__(self, floor: float) -> None:
         if not floor > 0:
@@ -130,17 +138,70 @@ class AckClock:
     @property
     def rto(self) -> float:
         if self.srtt is None:
-            return max(2 * self.floor, INITIAL_RTO)
+            return 2 * self.floor
         return max(self.floor, self.srtt + 4 * self.rttvar)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Flight(Generic[L]):
     link: L
     sent_at: float | None = None  # None while the chunk is being prepared
-    seq: int = 0  # this transfer's sends on the link, in order
+    nbytes: int = 0  # raw bytes of its DATA frames
+    bytes_before: int = 0  # bytes sent on the link before it
     backoff: int = 1
-    overtaken_at: float | None = None  # a chunk sent after it on its link was ACKed
+    overtaken_at: float | None = None  # when its link acknowledged bytes sent after it
+    done: bool = False  # acknowledged, NACKed, timed out or lost with its link
+
+
+class LinkClock:
+    """What one connection tells about loss, for every transfer on it (the
+    driver keeps one per connection and reports each reply): the bytes sent
+    and acknowledged on it, when it last replied, its measured rate, and
+    which chunks on it were overtaken."""
+
+    def __init__(self, now: float) -> None:
+        self.sent_bytes = 0
+        self.acked_bytes = 0
+        self.progress_at = now
+        self._busy_bytes = 0.0
+        self._busy_time = 0.0
+        self._out: deque[_Flight[Any]] = deque()  # outstanding, in send order
+
+    @property
+    def rate(self) -> float | None:
+        """Acknowledged bytes per second while busy (None: not measured yet)."""
+        if self._busy_time <= 0 or self._busy_bytes <= 0:
+            return None
+        return self._busy_bytes / self._busy_time
+
+    def on_send(self, f: _Flight[Any], nbytes: int) -> None:
+        f.bytes_before, f.nbytes = self.sent_bytes, nbytes
+        self.sent_bytes += nbytes
+        self._out.append(f)
+
+    def on_reply(self, acked: int, now: float) -> None:
+        """A reply arrived (``acked``: the bytes an ACK lists; 0 for others)."""
+        out = self._out
+        while out and out[0].done:
+            out.popleft()
+        if acked and out:  # busy: a rate sample
+            self._busy_bytes = 0.9 * self._busy_bytes + acked
+            self._busy_time = 0.9 * self._busy_time + max(0.0, now - self.progress_at)
+        self.acked_bytes += acked
+        self.progress_at = now
+        for f in out:  # in send order: those with less acknowledged ahead stop it
+            if f.bytes_before >= self.acked_bytes:
+                break
+            if not f.done and f.overtaken_at is None:
+                f.overtaken_at = now
+
+    def stall_time(self, nbytes: int, rto: float) -> float:
+        """How long the link may stay silent before a chunk of ``nbytes`` on
+        it counts as lost."""
+        rate = self.rate
+        if rate is None:
+            return max(rto, INITIAL_STALL)
+        return max(rto, STALL_CHUNKS * nbytes / rate)
 
 
 @dataclass
@@ -173,7 +234,7 @@ class TxTransfer(Generic[L]):
         limits: TxLimits | None = None,
         ready_bytes: int | None = None,
         planned_chunk: int = 1 << 20,
-        progress_of: Callable[[L], float] | None = None,
+        link_clock: Callable[[L], LinkClock] | None = None,
     ) -> None:
         self.request_id = request_id
         self.token = token
@@ -186,10 +247,9 @@ class TxTransfer(Generic[L]):
         self.deadline = deadline
         self.started = now
         self.clock = clock
-        # when a connection last brought any reply (of any transfer): the
-        # ack timer of a chunk queued behind others starts from there
-        self._progress_of: Callable[[L], float] = progress_of or (lambda _link: -math.inf)
-        self._sends: dict[L, int] = {}
+        # each connection's LinkClock (progress, overtaking); without one (a
+        # test) a chunk counts as lost ``rto`` after its send
+        self._link_clock = link_clock
         self.limits = limits or TxLimits()
         self.state = TxState.NEW
         self.error: KVBridgeError | None = None
@@ -310,15 +370,16 @@ class TxTransfer(Generic[L]):
         """Chunk ``idx`` is being prepared for ``link``."""
         self.inflight[idx] = _Flight(link)
 
-    def sent(self, link: L, idx: int, frames: int, now: float) -> None:
-        """Chunk ``idx`` went out on ``link`` (``frames`` DATA frames): its ack
-        timer starts."""
+    def sent(self, link: L, idx: int, frames: int, now: float, nbytes: int = 0) -> None:
+        """Chunk ``idx`` went out on ``link`` (``frames`` DATA frames of
+        ``nbytes`` raw bytes): its ack timer starts."""
         f = self.inflight.get(idx)
         if f is None or f.link != link:
             return
         f.backoff = min(MAX_BACKOFF, 2 ** self.timeouts.get(idx, 0))
         f.sent_at = now
-        f.seq = self._sends[link] = self._sends.get(link, 0) + 1
+        if self._link_clock is not None:
+            self._link_clock(link).on_send(f, nbytes)
         self.chunks_sent += frames
 
     def unclaim(self, link: L, idx: int) -> list[TxOutput[L]]:
@@ -326,6 +387,7 @@ class TxTransfer(Generic[L]):
         f = self.inflight.get(idx)
         if f is not None and f.link == link:
             del self.inflight[idx]
+            f.done = True
         return [Wake()] if self._requeue(idx) else []
 
     def owns(self, link: L, idx: int) -> bool:
@@ -356,6 +418,7 @@ class TxTransfer(Generic[L]):
         for idx, f in list(self.inflight.items()):
             if f.link == link:
                 del self.inflight[idx]
+                f.done = True
                 if f.sent_at is not None:
                     self.retries += 1
                 woke = self._requeue(idx) or woke
@@ -431,6 +494,7 @@ class TxTransfer(Generic[L]):
                 # not acknowledged in time: lost, or damaged on the way in its
                 # header (a receiver drops what it cannot attribute): send again
                 del self.inflight[idx]
+                f.done = True
                 self.timeouts[idx] = self.timeouts.get(idx, 0) + 1
                 self.retries += 1
                 woke = self._requeue(idx) or woke
@@ -438,16 +502,18 @@ class TxTransfer(Generic[L]):
 
     # ---- internals -------------------------------------------------------------------
     def _ack_deadline(self, f: _Flight[L]) -> float:
-        """When chunk ``f`` counts as lost: ``rto`` (times its backoff) after
-        the later of its send and its connection's last reply; but no later
-        than ``rto`` after a chunk of ours sent after it on the same
-        connection was acknowledged (it was overtaken: the receiver dropped
-        it, or it is being written slowly)."""
+        """When chunk ``f`` counts as lost (each times its backoff): ``rto``
+        after its connection acknowledged bytes sent after it (overtaken:
+        the receiver dropped it); else the connection's stall time after the
+        later of its send and the connection's last reply."""
         assert f.sent_at is not None
-        base = max(f.sent_at, self._progress_of(f.link))
+        rto = self.clock.rto
+        if self._link_clock is None:
+            return f.sent_at + rto * f.backoff
         if f.overtaken_at is not None:
-            base = min(base, f.overtaken_at)
-        return base + self.clock.rto * f.backoff
+            return f.overtaken_at + rto * f.backoff
+        lc = self._link_clock(f.link)
+        return max(f.sent_at, lc.progress_at) + lc.stall_time(f.nbytes, rto) * f.backoff
 
     def _lowest(self) -> int:
         heap = self._heap
@@ -501,12 +567,18 @@ class TxTransfer(Generic[L]):
                 self._pending.discard(idx)
                 self.nacks.pop(idx, None)
                 f = self.inflight.pop(idx, None)
-                if f is not None and f.link == link and f.sent_at is not None:
-                    if measure and idx not in self.timeouts:
-                        self.clock.observe(now - max(f.sent_at, self._progress_of(link)))
-                    for g in self.inflight.values():
-                        if g.link == link and 0 < g.seq < f.seq and g.overtaken_at is None:
-                            g.overtaken_at = now
+                if f is not None:
+                    f.done = True
+                    if (
+                        measure
+                        and f.link == link
+                        and f.sent_at is not None
+                        and idx not in self.timeouts
+                    ):
+                        since = f.sent_at
+                        if self._link_clock is not None:
+                            since = max(since, self._link_clock(link).progress_at)
+                        self.clock.observe(now - since)
                 self.timeouts.pop(idx, None)
 
     def _on_nack(self, link: L, m: Nack) -> list[TxOutput[L]]:
@@ -520,6 +592,7 @@ class TxTransfer(Generic[L]):
         f = self.inflight.get(idx)
         if f is not None and f.link == link:
             del self.inflight[idx]
+            f.done = True
         elif f is not None:
             return []  # already on its way again on another connection
         count = self.nacks.get(idx, 0) + 1
@@ -546,6 +619,8 @@ class TxTransfer(Generic[L]):
     def _end(self, error: KVBridgeError | None) -> list[TxOutput[L]]:
         self.state = TxState.DONE if error is None else TxState.FAILED
         self.error = error
+        for f in self.inflight.values():
+            f.done = True
         self.inflight.clear()
         self._pending.clear()
         self._heap.clear()

@@ -29,6 +29,7 @@ from ...errors import (
 )
 from ...wire.frames import ALL_CAPABILITIES, Capability, Message
 from ...wire.handshake import ClientHandshake
+from ...wire.txtransfer import LinkClock
 from .conn import FrameConnection, connect
 
 log = logging.getLogger("kvbridge.transport")
@@ -49,9 +50,8 @@ class Link:
         self.tids: dict[int, Any] = {}  # transfer id -> the transfer it names here
         self._ids = itertools.count(1)
         self.writer: asyncio.Task[None] | None = None
-        # when the receiver last replied on it (ACK, NACK, RESUME, ...): the
-        # ack timers of chunks queued behind others run from there
-        self.progress_at = asyncio.get_running_loop().time()
+        # the replies on it tell which chunks were lost (wire.txtransfer.LinkClock)
+        self.clock = LinkClock(asyncio.get_running_loop().time())
 
     @property
     def closed(self) -> bool:

@@ -60,6 +60,7 @@ from ...wire.txtransfer import (
     AbortUnopened,
     AckClock,
     Finished,
+    LinkClock,
     SendAbort,
     TxLimits,
     TxOutput,
@@ -304,7 +305,7 @@ class TcpSender:
             ),
             ready_bytes=None if ready is None else int(ready),
             planned_chunk=self.chunk_size,
-            progress_of=_progress_of,
+            link_clock=_clock_of,
         )
         handle._transfer = t
         holder.append(t)
@@ -541,7 +542,7 @@ class TcpSender:
                 except KVBridgeError:
                     self._unclaim(link, job)
                     return
-                t.sent(link, idx, len(bodies), self._now())
+                t.sent(link, idx, len(bodies), self._now(), sum(b[1] for b in bodies))
                 st = t.stats
                 st.wire_bytes += sum(len(b[2]) for b in bodies)
                 t.links_used.add(id(link))
@@ -576,11 +577,12 @@ class TcpSender:
         t = link.tids.get(m.transfer_id)
         if t is not None and not t.finished:
             self._apply(t, t.on_message(link, m, now))
-        link.progress_at = now  # after: the ACK's wait is measured from the previous reply
+        # after: an ACK's wait is measured from the previous reply
+        link.clock.on_reply(sum(n for _, n in m.ranges) if isinstance(m, Ack) else 0, now)
 
 
-def _progress_of(link: Link) -> float:
-    return link.progress_at
+def _clock_of(link: Link) -> LinkClock:
+    return link.clock
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
