@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import KVBridgeTimeout, PeerGone
 from ..layout import DType, KVLayout
 from .compare_peers import Scenario, receiver_main, sender_main
 
@@ -167,7 +168,7 @@ def run_one(
         times = res[1][1:]  # drop the warm-up
         med = statistics.median(times)
         return {"seconds": med, "gbps": scen.nbytes / med / 1e9, "ok": dig[1] == res[2]}
-    except (TimeoutError, ChildProcessError) as e:
+    except (KVBridgeTimeout, PeerGone) as e:
         return {"error": str(e)}
     finally:
         for p in (send, recv):
@@ -184,9 +185,9 @@ def _get(conn: Any, timeout: float, proc: Any) -> Any:
     deadline = time.monotonic() + timeout
     while not conn.poll(0.2):
         if not proc.is_alive() and not conn.poll(0.2):
-            raise ChildProcessError(f"{proc.name} exited with code {proc.exitcode}")
+            raise PeerGone(f"{proc.name} exited with code {proc.exitcode}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no answer within {timeout} s")
+            raise KVBridgeTimeout(f"no answer within {timeout} s")
     return conn.recv()
 
 

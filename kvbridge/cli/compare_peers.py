@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import KVBridgeError, Unavailable
 from ..layout import KVLayout
 
 
@@ -243,7 +244,7 @@ def _nixl_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list
         while state == "PROC" and time.monotonic() < deadline:
             state = agent.check_xfer_state(handle)
         if state != "DONE":
-            raise RuntimeError(f"NIXL transfer state {state}")
+            raise KVBridgeError(f"NIXL transfer state {state}")
         times.append(time.perf_counter() - t)
     agent.release_xfer_handle(handle)
     return times
@@ -255,7 +256,7 @@ def _mooncake_engine() -> Any:
 
     te = TransferEngine()
     if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+        raise Unavailable("Mooncake TransferEngine.initialize failed")
     return te
 
 
@@ -263,7 +264,7 @@ def _mooncake_receiver(conn: Any, scen: Scenario, iters: int) -> None:
     buf = _buffer(scen, fill=False)
     te = _mooncake_engine()
     if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
-        raise RuntimeError("Mooncake register_memory failed")
+        raise Unavailable("Mooncake register_memory failed")
     conn.send(("ready", (f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data)))
     _finish_receiver(conn, buf, scen)
 
@@ -277,7 +278,7 @@ def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> 
     doff, _ = scen.pieces(scen.dst_bt)
     te = _mooncake_engine()
     if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
-        raise RuntimeError("Mooncake register_memory failed")
+        raise Unavailable("Mooncake register_memory failed")
     src = (soff + buf.ctypes.data).tolist()
     dst = (doff + dst_base).tolist()
     lens = length.tolist()
@@ -287,7 +288,7 @@ def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> 
         for i in range(0, len(lens), MOONCAKE_BATCH):
             j = i + MOONCAKE_BATCH
             if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
-                raise RuntimeError("Mooncake batch_transfer_sync_write failed")
+                raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
         times.append(time.perf_counter() - t)
     return times
 

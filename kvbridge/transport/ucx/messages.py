@@ -15,7 +15,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from ...errors import RemoteProtocolError, UnknownFrame, VersionMismatch
+from ...errors import InvalidArgument, RemoteProtocolError, UnknownFrame, VersionMismatch
 
 __all__ = [
     "MAX_HELLO_BLOB",
@@ -71,7 +71,7 @@ def encode_message(m: Message) -> bytes:
     rid = m.rid.encode()
     text = m.text.encode()[:4096]
     if len(rid) > MAX_RID:
-        raise ValueError(f"request id longer than {MAX_RID} bytes")
+        raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
     out = (
         _HEAD.pack(
             MAGIC,
@@ -97,7 +97,7 @@ def encode_message(m: Message) -> bytes:
         + m.blob
     )
     if len(out) > MAX_MESSAGE:
-        raise ValueError(f"control message of {len(out)} bytes exceeds {MAX_MESSAGE}")
+        raise InvalidArgument(f"control message of {len(out)} bytes exceeds {MAX_MESSAGE}")
     return out
 
 
