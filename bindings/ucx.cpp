@@ -64,11 +64,16 @@ NB_MODULE(_ucx, m) {
            [](const Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def("event_fd", &Engine::event_fd)
       .def("progress", &Engine::progress, nb::call_guard<nb::gil_scoped_release>())
-      .def("arm", &Engine::arm)
+      .def("arm", &Engine::arm, nb::call_guard<nb::gil_scoped_release>())
+      .def("start_thread", &Engine::start_thread, nb::arg("spin_us"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("stop_thread", &Engine::stop_thread, nb::call_guard<nb::gil_scoped_release>())
+      .def("notify_fd", &Engine::notify_fd)
+      .def_prop_ro("threaded", &Engine::threaded)
       .def("register_region", &Engine::register_region, nb::arg("base"), nb::arg("length"))
       .def("rkey",
            [](const Engine& e, uint64_t id) {
-             const std::string& k = e.region(id).rkey;
+             std::string k = e.rkey(id);
              return nb::bytes(k.data(), k.size());
            })
       .def("deregister_region", &Engine::deregister_region)
@@ -84,31 +89,49 @@ NB_MODULE(_ucx, m) {
             return e.connect(std::string(address.c_str(), address.size()), rs, peer_errors);
           },
           nb::arg("address"), nb::arg("regions"), nb::arg("peer_errors") = true)
-      .def("disconnect", &Engine::disconnect)
+      .def("disconnect", &Engine::disconnect, nb::call_guard<nb::gil_scoped_release>())
       .def("endpoint_ok", &Engine::endpoint_ok)
       .def(
           "put",
-          [](Engine& e, uint64_t ep, Runs runs, nb::bytes notify) {
-            return e.put(ep, reinterpret_cast<const PutRun*>(runs.data()), runs.shape(0),
-                         std::string(notify.c_str(), notify.size()));
+          [](Engine& e, uint64_t ep, Runs runs, nb::bytes notify, unsigned spin_us) {
+            std::string note(notify.c_str(), notify.size());
+            const auto* data = reinterpret_cast<const PutRun*>(runs.data());
+            size_t count = runs.shape(0);
+            kvb::ucx::Posted p;
+            {
+              nb::gil_scoped_release release;
+              p = e.put(ep, data, count, note, spin_us);
+            }
+            return nb::make_tuple(p.op_id, p.status);
           },
-          nb::arg("ep"), nb::arg("runs"), nb::arg("notify"))
+          nb::arg("ep"), nb::arg("runs"), nb::arg("notify"), nb::arg("spin_us") = 0,
+          "Post the runs, a flush and the notification; progress up to spin_us for "
+          "them. Returns (op id, status): UCS_INPROGRESS (1) while in flight")
       .def(
           "send",
-          [](Engine& e, uint64_t ep, nb::bytes msg) {
-            return e.send(ep, std::string(msg.c_str(), msg.size()));
+          [](Engine& e, uint64_t ep, nb::bytes msg, bool report) {
+            std::string m(msg.c_str(), msg.size());
+            kvb::ucx::Posted p;
+            {
+              nb::gil_scoped_release release;
+              p = e.send(ep, m, report);
+            }
+            return nb::make_tuple(p.op_id, p.status);
           },
-          nb::arg("ep"), nb::arg("message"))
+          nb::arg("ep"), nb::arg("message"), nb::arg("report") = true)
       .def("drain",
            [](Engine& e) {
+             kvb::ucx::Drained d;
+             {
+               nb::gil_scoped_release release;
+               d = e.drain();
+             }
              nb::list results, failures, messages;
-             for (const auto& r : e.take_results())
-               results.append(nb::make_tuple(r.op_id, r.status));
-             for (const auto& f : e.take_failures())
-               failures.append(nb::make_tuple(f.ep_id, f.status));
-             for (const auto& s : e.take_messages()) messages.append(nb::bytes(s.data(), s.size()));
+             for (const auto& r : d.results) results.append(nb::make_tuple(r.op_id, r.status));
+             for (const auto& f : d.failures) failures.append(nb::make_tuple(f.ep_id, f.status));
+             for (const auto& s : d.messages) messages.append(nb::bytes(s.data(), s.size()));
              return nb::make_tuple(results, failures, messages);
            })
-      .def("close", &Engine::close)
+      .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &Engine::closed);
 }

@@ -132,7 +132,7 @@ def test_sender_killed_mid_transfer(procs: list[Proc], tls: str, mode: str) -> N
     killed = time.time()
     s.p.kill()
     got = r.recv(25)
-    assert got[:2] == ("error", "PeerGone"), got
+    assert got[0] == "error" and "PeerGone" in got[4], got
     assert got[3] - killed < 6.0  # inside the 30 s deadline (heartbeat: 3 s at worst)
     print(f"sender death seen after {got[3] - killed:.2f} s: {got[2]}")
 
@@ -152,6 +152,6 @@ def test_receiver_killed_mid_transfer(procs: list[Proc], tls: str, mode: str) ->
     killed = time.time()
     r.p.kill()
     got = s.recv(25)
-    assert got[:2] == ("error", "PeerGone"), got
+    assert got[0] == "error" and "PeerGone" in got[4], got
     assert got[3] - killed < 6.0
     print(f"receiver death seen after {got[3] - killed:.2f} s: {got[2]}")

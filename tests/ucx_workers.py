@@ -60,7 +60,9 @@ async def _serve(
             st = await aw
             return ("ok", st.path, st.bytes, st.runs, *extra)
         except Exception as e:
-            return ("error", type(e).__name__, str(e), time.time())
+            # the kvbridge class a caller catches (PeerGone for a UcxPeerError)
+            kinds = [c.__name__ for c in type(e).__mro__]
+            return ("error", type(e).__name__, str(e), time.time(), kinds)
 
     while True:
         cmd = await loop.run_in_executor(None, conn.recv)

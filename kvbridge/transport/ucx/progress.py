@@ -1,12 +1,24 @@
-"""UCX worker progress tied into asyncio without spinning when idle.
+"""UCX worker progress, in one of two modes (``UcxAgent(progress=...)``).
 
-While work is outstanding (posted operations, staged transfers), and for a
-short ``hot_window`` (2 ms) after any progress call that found work (bytes
-streaming in for a receiver), the worker is progressed on every loop
-iteration (``call_soon``).  Otherwise the worker's event fd is armed and
-watched with ``loop.add_reader``: the process sleeps until the network has
-something for it.  A periodic safety progress (``safety_interval``, 0.1 s) covers events that
+``"thread"`` (default): the engine's own C++ thread progresses the worker.
+It busy-polls for ``busy_poll_us`` after each event (the next packet of a
+small exchange is close: a put's flush answer, the notification after it),
+then arms the worker and sleeps in epoll on the worker's event fd.  UCX
+progress never waits on the asyncio loop (a pack, a slow callback); the
+thread answers the peer's puts and flushes by itself and writes the engine's
+notify fd when results, failures or messages are queued, which the loop
+watches with ``add_reader``.
+
+``"loop"``: the asyncio loop progresses the worker.  While work is
+outstanding, and for a short ``hot_window`` (2 ms) after any progress call
+that found work, the worker is progressed on every loop iteration
+(``call_soon``); otherwise its event fd is armed and watched with
+``loop.add_reader``.  A periodic safety progress (0.1 s) covers events that
 arrive between a progress and the arm.
+
+In both modes a small put also progresses inline, in C++, for up to
+``busy_poll_us`` right after it is posted (``Engine.put``), so that it usually
+completes before the call returns.
 """
 
 from __future__ import annotations
@@ -14,10 +26,45 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
+
+__all__ = ["LoopProgress", "Progress", "ThreadProgress"]
 
 
-class WorkerProgress:
+class Progress(Protocol):
+    def kick(self) -> None:
+        """Progress soon (after posting work that did not complete inline)."""
+
+    def close(self) -> None: ...
+
+
+class ThreadProgress:
+    def __init__(
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        on_events: Callable[[], None],
+        busy_poll_us: int,
+    ) -> None:
+        self._engine = engine
+        self._loop = loop
+        self._fd = int(engine.notify_fd())
+        self._closed = False
+        engine.start_thread(int(busy_poll_us))
+        loop.add_reader(self._fd, on_events)
+
+    def kick(self) -> None:
+        pass  # the engine wakes its thread itself when a post stays in flight
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._fd)
+        self._engine.stop_thread()
+
+
+class LoopProgress:
     def __init__(
         self,
         engine: Any,
