@@ -37,6 +37,7 @@ if(KVBRIDGE_HAS_UCX)
   add_library(kvbridge_ucx STATIC
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/engine.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/progress.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/runs.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/transfer.cpp)
   target_include_directories(kvbridge_ucx
     PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc ${KVBRIDGE_UCP_INCLUDE_DIR})

@@ -148,7 +148,7 @@ void Engine::on_message(const void* data, size_t length) {
 void Engine::signal_python() {
   // Only the progress thread's completions need a wake-up: in loop mode the
   // caller drains after every progress call.
-  if (notified_ || !thread_on_) return;
+  if (notified_ || !thread_on_ || py_polling_) return;
   notified_ = true;
   uint64_t one = 1;
   ssize_t rc = ::write(notify_fd_, &one, sizeof(one));

@@ -140,6 +140,9 @@ class Engine {
   // to drain).
   void start_thread(unsigned spin_us);
   void stop_thread();
+  // The caller polls (progress()) for a while: the thread neither spins nor
+  // signals meanwhile; clearing it signals if anything is queued.
+  void set_polling(bool on);
   int notify_fd() const { return notify_fd_; }
   bool threaded() const;
 
@@ -208,7 +211,13 @@ class Engine {
   int wake_fd_ = -1;    // eventfd: Python -> progress thread
   int notify_fd_ = -1;  // eventfd: engine -> Python
   bool notified_ = false;
-  bool thread_on_ = false;  // guarded by mu_
+  bool thread_on_ = false;   // guarded by mu_
+  bool py_polling_ = false;  // guarded by mu_
+  // Busy-pollers outside the thread (an inline put spin, the loop's poll):
+  // while there is one, the thread sleeps instead of spinning.
+  std::atomic<int> pollers_{0};
+  std::atomic<int64_t> activity_ns_{0};  // last post or poll (steady clock)
+  std::atomic<bool> sleeping_{false};    // the thread is in epoll_wait
 };
 
 }  // namespace kvb::ucx

@@ -48,7 +48,7 @@ bool Engine::threaded() const {
 }
 
 void Engine::wake_thread() {
-  if (!thread_on_) return;
+  if (!thread_on_ || !sleeping_.load()) return;
   uint64_t one = 1;
   ssize_t rc = ::write(wake_fd_, &one, sizeof(one));
   (void)rc;
@@ -61,6 +61,20 @@ void Engine::start_thread(unsigned spin_us) {
   stop_.store(false);
   thread_on_ = true;
   thread_ = std::thread([this, spin_us] { thread_main(spin_us); });
+}
+
+void Engine::set_polling(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (on == py_polling_) return;
+  py_polling_ = on;
+  if (on) {
+    pollers_.fetch_add(1);
+  } else {
+    pollers_.fetch_sub(1);
+    activity_ns_.store(Clock::now().time_since_epoch().count());
+    if (!results_.empty() || !failures_.empty() || !messages_.empty()) signal_python();
+    wake_thread();
+  }
 }
 
 void Engine::stop_thread() {
@@ -86,20 +100,41 @@ void Engine::thread_main(unsigned spin_us) {
   ::epoll_ctl(ep, EPOLL_CTL_ADD, efd_, &ev);
   ev.data.fd = wake_fd_;
   ::epoll_ctl(ep, EPOLL_CTL_ADD, wake_fd_, &ev);
+  // While someone else polls the worker, the thread waits on its wake fd only.
+  int ep_wake = ::epoll_create1(EPOLL_CLOEXEC);
+  ::epoll_ctl(ep_wake, EPOLL_CTL_ADD, wake_fd_, &ev);
   const auto spin = std::chrono::microseconds(spin_us);
   auto last_event = Clock::now();
   while (!stop_.load(std::memory_order_relaxed)) {
     int timeout_ms = 100;
     bool sleep = false;
+    if (pollers_.load() > 0) {
+      sleeping_.store(true);
+      epoll_event got;
+      if (::epoll_wait(ep_wake, &got, 1, 1) > 0) {
+        uint64_t v = 0;
+        ssize_t rc = ::read(wake_fd_, &v, sizeof(v));
+        (void)rc;
+      }
+      sleeping_.store(false);
+      last_event = Clock::now();
+      continue;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (worker_ == nullptr) break;
       // A bounded batch per lock hold: callers that post wait at most one batch.
       if (progress_locked(64) > 0) last_event = Clock::now();
-      // Busy-poll for `spin` after the last event (the next packet of a small
-      // exchange is close), then arm and sleep.
-      if (Clock::now() - last_event >= spin && ucp_worker_arm(worker_) == UCS_OK) {
+      // Busy-poll for `spin` after the last event or post (the next packet of
+      // a small exchange is close), unless someone else polls; then arm and
+      // sleep.
+      const auto now = Clock::now();
+      const auto posted = Clock::time_point(Clock::duration(activity_ns_.load()));
+      const bool spinning =
+          pollers_.load() == 0 && (now - last_event < spin || now - posted < spin);
+      if (!spinning && ucp_worker_arm(worker_) == UCS_OK) {
         sleep = true;
+        sleeping_.store(true);  // under the lock: a post after this wakes us
         // Outstanding ops are also progressed on a short timer, in case a
         // transport completes them without an event.
         if (!ops_.empty()) timeout_ms = 1;
@@ -111,6 +146,7 @@ void Engine::thread_main(unsigned spin_us) {
     }
     epoll_event got[2];
     int n = ::epoll_wait(ep, got, 2, timeout_ms);
+    sleeping_.store(false);
     for (int i = 0; i < n; ++i) {
       if (got[i].data.fd == wake_fd_) {
         uint64_t v = 0;
@@ -120,6 +156,7 @@ void Engine::thread_main(unsigned spin_us) {
     }
     if (n > 0) last_event = Clock::now();
   }
+  ::close(ep_wake);
   ::close(ep);
 }
 

@@ -254,11 +254,16 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
   int status = UCS_INPROGRESS;
   if (take_sync(id, &status)) return {id, status};
   if (spin_us > 0) {
+    pollers_.fetch_add(1);
     const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    bool done = false;
     do {
       progress_locked(16);
-      if (take_sync(id, &status)) return {id, status};
-    } while (Clock::now() < until);
+      done = take_sync(id, &status);
+    } while (!done && Clock::now() < until);
+    pollers_.fetch_sub(1);
+    activity_ns_.store(Clock::now().time_since_epoch().count());
+    if (done) return {id, status};
   }
   // Still in flight: its result comes through drain().
   auto it = ops_.find(id);

@@ -31,6 +31,7 @@ from ...errors import (
     InvalidArgument,
     KVBridgeError,
     LayoutError,
+    PageIndexError,
     PeerGone,
     TransferTimeout,
     Unavailable,
@@ -55,12 +56,13 @@ from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
 from .progress import LoopProgress, Progress, ThreadProgress
 from .regions import Registration, map_engine_error
-from .runs import CacheGeometry, page_pieces
+from .runs import CacheGeometry, page_pieces, plan_args
 from .staging import Staging
 
 __all__ = ["UcxAgent"]
 
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
+_TINY = 2  # put_range: the runs are too short, nothing was posted
 
 # An op in flight: the handle it completes, or a callback (status) -> None.
 _OpEntry = TransferHandle | Callable[[int], None]
@@ -84,7 +86,7 @@ class UcxAgent:
         heartbeat: float = 1.0,
         peer_timeout: float = 10.0,
         progress: str = "thread",
-        busy_poll_us: int = 100,
+        busy_poll_us: int = 200,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
@@ -110,6 +112,7 @@ class UcxAgent:
         self.peer_timeout = float(peer_timeout)
         cfg = {k: v for k, v in DEFAULT_UCX_CONFIG.items() if f"UCX_{k}" not in os.environ}
         cfg.update(config or {})
+        self._mod = mod
         try:
             self._engine = mod.Engine(list(cfg.items()))
         except mod.UcsError as e:
@@ -214,6 +217,8 @@ class UcxAgent:
         ex = Expect(h, bt, start, end, l0, l1, peer, np.zeros(l1 - l0, dtype=bool))
         h.owner = ex
         self.expectations.add(ex)
+        if not h.done():
+            self._kick()  # the data is probably on its way: poll for it a while
         return h
 
     async def close(self) -> None:
@@ -329,17 +334,55 @@ class UcxAgent:
         else:
             on_sent()
 
-    def post_put(self, peer: UcxPeer, h: TransferHandle, runs: np.ndarray, notify: bytes) -> None:
-        """Post a put batch whose notification follows its flush; ``h``
-        completes when the notification has been sent."""
-        try:
-            op, status = self._engine.put(
-                peer.ep, np.ascontiguousarray(runs, dtype=np.uint64), notify, self.busy_poll_us
+    def put_range(
+        self,
+        peer: UcxPeer,
+        block_table: np.ndarray,
+        remote_block_table: np.ndarray,
+        start: int,
+        end: int,
+        l0: int,
+        l1: int,
+        notify: bytes,
+        min_mean_run: int,
+    ) -> tuple[int, int, int] | None:
+        """Compute the coalesced runs of a range (in C++) and post them, their
+        flush and then ``notify``; progress inline for up to ``busy_poll_us``.
+        Returns (op, status, runs), or None when the mean run is shorter
+        than ``min_mean_run`` (nothing posted)."""
+        if peer.plan is None:
+            peer.plan = self._mod.RunPlan(
+                **plan_args(
+                    self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids
+                )
             )
+        try:
+            op, status, nruns, _ = self._engine.put_range(
+                peer.ep,
+                peer.plan,
+                block_table,
+                remote_block_table,
+                start,
+                end,
+                l0,
+                l1,
+                notify,
+                min_mean_run,
+                self.busy_poll_us,
+            )
+        except IndexError as e:
+            raise PageIndexError(str(e)) from None
+        except ValueError as e:
+            raise LayoutError(str(e)) from None
         except Exception as e:
-            err = map_engine_error(e, "UCX put")
-            h.fail(err)
-            raise err from e
+            raise map_engine_error(e, "UCX put") from None
+        if status == _TINY:
+            return None
+        return int(op), int(status), int(nruns)
+
+    def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
+        """``h`` completes with the put ``op`` (``status``: its outcome, or
+        UCS_INPROGRESS while in flight)."""
         if status == 0:
             h.finish()
         elif status == _INPROGRESS:

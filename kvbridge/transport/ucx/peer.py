@@ -14,7 +14,7 @@ from ...layout import KVLayout
 from .handle import TransferHandle
 from .messages import Kind, Message, encode_message
 from .metadata import AgentMetadata, RegionKind
-from .runs import CacheGeometry, put_runs
+from .runs import CacheGeometry
 
 if TYPE_CHECKING:
     from .staging import Staging
@@ -60,6 +60,10 @@ class PeerHost(Protocol):
     async def close_peer(self, peer: UcxPeer) -> None: ...
 
 
+def _table(bt: Any) -> np.ndarray:
+    return np.ascontiguousarray(bt, dtype=np.int64).reshape(-1)
+
+
 class UcxPeer:
     """A connected remote agent.  Create with :meth:`UcxAgent.connect`."""
 
@@ -78,6 +82,7 @@ class UcxPeer:
         )
         self.staging_index = md.staging_region()
         self._sends: dict[int, TransferHandle] = {}
+        self.plan: Any = None  # the engine's RunPlan to this peer (same layout only)
 
     @property
     def layout(self) -> KVLayout:
@@ -117,44 +122,40 @@ class UcxPeer:
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
-        runs = None
         if self.same_layout and path != "staging":
-            runs = put_runs(
-                host.geometry,
-                block_table,
-                self.geometry,
-                remote_block_table,
-                start,
-                end,
-                (l0, l1),
-                host.cache_region_ids,
-                self.cache_region_ids,
-            )
-            nbytes = int(runs[:, 4].sum()) if runs.size else 0
-            tiny = runs.shape[0] > 0 and nbytes // runs.shape[0] < host.min_put_run_bytes
             staging = host.staging
-            if (
+            can_stage = (
                 path != "put"
-                and tiny
                 and staging.usable
                 and self.staging_index is not None
                 and staging.pack_module() is not None
-            ):
-                runs = None
-        elif path == "put":
-            raise LayoutError("the put path needs both caches to have the same memory layout")
-        if runs is not None:
-            # Unarmed: a small put usually completes inside post_put.
-            h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
-            h.owner = self
-            h.stats.path = "put"
-            h.stats.runs = int(runs.shape[0])
-            h.stats.bytes = nbytes
+            )
+            nbytes = lay.wire_nbytes(end - start, (l0, l1))
             notify = encode_message(
                 Message(Kind.DONE, host.agent_id, rid, start, end, l0, l1, nbytes)
             )
-            host.post_put(self, h, runs, notify)
-            return h
+            posted = host.put_range(
+                self,
+                _table(block_table),
+                _table(remote_block_table),
+                start,
+                end,
+                l0,
+                l1,
+                notify,
+                host.min_put_run_bytes if can_stage else 0,
+            )
+            if posted is not None:  # else the runs are tiny: staged instead
+                op, status, nruns = posted
+                h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
+                h.owner = self
+                h.stats.path = "put"
+                h.stats.runs = nruns
+                h.stats.bytes = nbytes
+                host.adopt_put(self, h, op, status)
+                return h
+        elif path == "put":
+            raise LayoutError("the put path needs both caches to have the same memory layout")
         staging = host.staging
         staging.require(self)
         h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1)), deadline)

@@ -7,7 +7,10 @@ then arms the worker and sleeps in epoll on the worker's event fd.  UCX
 progress never waits on the asyncio loop (a pack, a slow callback); the
 thread answers the peer's puts and flushes by itself and writes the engine's
 notify fd when results, failures or messages are queued, which the loop
-watches with ``add_reader``.
+watches with ``add_reader``.  While the loop waits for a small operation
+(a put in flight, an expected request) it polls the worker itself for
+``busy_poll_us`` after the last event, and the thread sleeps: one poller per
+process, never two spinning on a 2-core machine.
 
 ``"loop"``: the asyncio loop progresses the worker.  While work is
 outstanding, and for a short ``hot_window`` (2 ms) after any progress call
@@ -39,6 +42,12 @@ class Progress(Protocol):
 
 
 class ThreadProgress:
+    """The engine's thread progresses; after ``kick()`` (a post still in
+    flight, an expect registered) the loop itself busy-polls the worker for
+    ``busy_poll_us`` (extended by every event found), so that the answer of
+    a small exchange is seen without an epoll wake-up of the loop; meanwhile
+    the thread sleeps (one poller per process)."""
+
     def __init__(
         self,
         engine: Any,
@@ -48,19 +57,45 @@ class ThreadProgress:
     ) -> None:
         self._engine = engine
         self._loop = loop
+        self._on_events = on_events
+        self._window = busy_poll_us / 1e6
+        self._until = 0.0
+        self._polling = False
         self._fd = int(engine.notify_fd())
         self._closed = False
         engine.start_thread(int(busy_poll_us))
         loop.add_reader(self._fd, on_events)
 
     def kick(self) -> None:
-        pass  # the engine wakes its thread itself when a post stays in flight
+        if self._closed or self._window <= 0:
+            return
+        self._until = time.monotonic() + self._window
+        if not self._polling:
+            self._polling = True
+            self._engine.set_polling(True)
+            self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        if self._closed:
+            return
+        if self._engine.progress():
+            self._until = time.monotonic() + self._window
+        self._on_events()
+        if not self._closed and time.monotonic() < self._until:
+            self._loop.call_soon(self._poll)
+            return
+        self._polling = False
+        if not self._closed:
+            self._engine.set_polling(False)  # the thread takes over (and signals)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._loop.remove_reader(self._fd)
+        if self._polling:
+            self._engine.set_polling(False)
+            self._polling = False
         self._engine.stop_thread()
 
 
