@@ -41,9 +41,20 @@ class PeerHost(Protocol):
         self, rid: str, direction: str, total: int, timeout: float, *, armed: bool = True
     ) -> TransferHandle: ...
 
-    def post_put(
-        self, peer: UcxPeer, h: TransferHandle, runs: np.ndarray, notify: bytes
-    ) -> None: ...
+    def put_range(
+        self,
+        peer: UcxPeer,
+        block_table: np.ndarray,
+        remote_block_table: np.ndarray,
+        start: int,
+        end: int,
+        l0: int,
+        l1: int,
+        notify: bytes,
+        min_mean_run: int,
+    ) -> tuple[int, int, int] | None: ...
+
+    def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
 
     def expect(
         self,
