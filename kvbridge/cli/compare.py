@@ -319,7 +319,7 @@ def run_perftest(scen: Scenario, env: dict[str, str], iters: int, timeout: float
     args = ["-t", "ucp_put_bw", "-s", str(size), "-n", str(n), "-w", str(max(1, n // 8))]
     args += ["-p", str(port)]
     server = subprocess.Popen(
-        [str(exe), *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        [str(exe), *args], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         time.sleep(0.5)

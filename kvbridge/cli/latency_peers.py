@@ -33,7 +33,9 @@ def page_layout(size: int) -> KVLayout:
     )
 
 
-def side_main(conn: Any, kind: str, role: int, env: dict[str, str], size: int, opts: dict) -> None:
+def side_main(
+    conn: Any, kind: str, role: int, env: dict[str, str], size: int, opts: dict[str, Any]
+) -> None:
     os.environ.update(env)
     try:
         _SIDES[kind](conn, role, size, opts)
@@ -42,7 +44,7 @@ def side_main(conn: Any, kind: str, role: int, env: dict[str, str], size: int, o
 
 
 # ---- kvbridge UCX -----------------------------------------------------------------------
-def _kvb_ucx(conn: Any, role: int, size: int, opts: dict) -> None:
+def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.tcp import run
     from ..transport.ucx import UcxAgent
 
@@ -92,7 +94,7 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict) -> None:
 
 
 # ---- kvbridge TCP -----------------------------------------------------------------------
-def _kvb_tcp(conn: Any, role: int, size: int, opts: dict) -> None:
+def _kvb_tcp(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.tcp import BytesSink, BytesSource, TcpReceiver, TcpSender, run
 
     count = int(opts.get("count", 4096))
@@ -139,7 +141,7 @@ def _kvb_tcp(conn: Any, role: int, size: int, opts: dict) -> None:
 
 
 # ---- raw uvloop ping-pong ---------------------------------------------------------------------
-def _uvloop(conn: Any, role: int, size: int, opts: dict) -> None:
+def _uvloop(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.tcp import run
 
     async def main() -> None:
@@ -190,7 +192,7 @@ def _uvloop(conn: Any, role: int, size: int, opts: dict) -> None:
 
 
 # ---- NIXL -------------------------------------------------------------------------------------
-def _nixl(conn: Any, role: int, size: int, opts: dict) -> None:
+def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from nixl._api import nixl_agent, nixl_agent_config
 
     name = f"lat{role}"
