@@ -95,6 +95,7 @@ class UcxAgent:
             raise Unavailable(f"UCX transport unavailable: {unavailable_reason()}")
         self.layout = layout
         self.cache = cache
+        self.token_bytes = layout.token_bytes_per_layer
         self.timeout = float(timeout)
         self.min_put_run_bytes = int(min_put_run_bytes)
         if error_mode not in ("peer", "none"):
@@ -267,7 +268,8 @@ class UcxAgent:
     def new_handle(
         self, rid: str, direction: str, total: int, timeout: float, *, armed: bool = True
     ) -> TransferHandle:
-        self._loop_now()
+        if self._loop is None or self._closed:
+            self._loop_now()
         return TransferHandle(rid, direction, total, timeout, self.abort, armed=armed)
 
     def known_peer(self, agent_id: bytes) -> UcxPeer | None:

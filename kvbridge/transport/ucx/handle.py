@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,11 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         """Start the deadline of a handle created unarmed (it did not finish inline)."""
         if self._timer is None and not self._fut.done():
             self._timer = self._fut.get_loop().call_later(self._timeout, self._expire)
+
+    def __await__(self) -> Generator[Any, None, TransferStats]:
+        if self._fut.done():  # a small put that completed inline: no shield, no yield
+            return self._fut.__await__()
+        return super().__await__()
 
     # -- state ------------------------------------------------------------------
     def exception(self) -> BaseException | None:

@@ -31,6 +31,7 @@ class PeerHost(Protocol):
     timeout: float
     min_put_run_bytes: int
     staging: Staging
+    token_bytes: int  # of one token in one layer (layout.token_bytes_per_layer)
 
     @property
     def cache_region_ids(self) -> np.ndarray: ...
@@ -141,7 +142,7 @@ class UcxPeer:
                 and self.staging_index is not None
                 and staging.pack_module() is not None
             )
-            nbytes = lay.wire_nbytes(end - start, (l0, l1))
+            nbytes = (l1 - l0) * (end - start) * host.token_bytes
             notify = encode_message(
                 Message(Kind.DONE, host.agent_id, rid, start, end, l0, l1, nbytes)
             )
