@@ -217,6 +217,7 @@ class Engine {
   // while there is one, the thread sleeps instead of spinning.
   std::atomic<int> pollers_{0};
   std::atomic<int64_t> activity_ns_{0};  // last post or poll (steady clock)
+  std::atomic<int64_t> polled_ns_{0};    // last progress by a poller outside the thread
   std::atomic<bool> sleeping_{false};    // the thread is in epoll_wait
 };
 

@@ -30,6 +30,7 @@ unsigned Engine::progress_locked(int max_rounds) {
 
 unsigned Engine::progress() {
   std::lock_guard<std::mutex> lock(mu_);
+  polled_ns_.store(Clock::now().time_since_epoch().count());
   return progress_locked(4096);
 }
 
@@ -108,7 +109,10 @@ void Engine::thread_main(unsigned spin_us) {
   while (!stop_.load(std::memory_order_relaxed)) {
     int timeout_ms = 100;
     bool sleep = false;
-    if (pollers_.load() > 0) {
+    // Stand down while another poller really polls: one that stopped calling
+    // (a loop blocked by the application) does not stall the worker.
+    const auto polled = Clock::time_point(Clock::duration(polled_ns_.load()));
+    if (pollers_.load() > 0 && Clock::now() - polled < std::chrono::microseconds(200)) {
       sleeping_.store(true);
       epoll_event got;
       if (::epoll_wait(ep_wake, &got, 1, 1) > 0) {

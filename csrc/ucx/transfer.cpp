@@ -259,6 +259,7 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
     bool done = false;
     do {
       progress_locked(16);
+      polled_ns_.store(Clock::now().time_since_epoch().count());
       done = take_sync(id, &status);
     } while (!done && Clock::now() < until);
     pollers_.fetch_sub(1);

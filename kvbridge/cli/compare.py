@@ -83,7 +83,7 @@ def rows_for(libs: list[str]) -> list[Row]:
                 "kvbridge",
                 {},
                 {},
-                "defaults: error_mode=none, 256k TCP segments, progress=thread, busy_poll_us=200",
+                "defaults: error_mode=none, 256k TCP segments, progress=thread, busy_poll_us=1000",
             )
         )
         out.append(Row("kvbridge peer", "kvbridge", {}, {"error_mode": "peer"}, "error_mode=peer"))

@@ -51,7 +51,8 @@ class Config:
     error: str = ""
 
 
-def configs(tls_list: list[str], libs: list[str], busy_poll_us: int) -> list[Config]:
+def configs(tls_list: list[str], libs: list[str], busy_poll_us: int | list[int]) -> list[Config]:
+    polls = [busy_poll_us] if isinstance(busy_poll_us, int) else list(busy_poll_us)
     out = []
     if "uvloop" in libs:
         out.append(Config("uvloop ping-pong", "uvloop", {}, {}, "asyncio streams, TCP_NODELAY"))
@@ -60,14 +61,15 @@ def configs(tls_list: list[str], libs: list[str], busy_poll_us: int) -> list[Con
             Config("kvbridge TCP", "kvb-tcp", {}, {}, "1 stream, no compression, checksums on")
         )
     for tls in tls_list:
-        if "kvb-ucx" in libs:
+        for bp in polls if "kvb-ucx" in libs else []:
+            suffix = "" if bp == polls[0] else f" bp={bp}"
             out.append(
                 Config(
-                    f"kvbridge UCX {tls}",
+                    f"kvbridge UCX {tls}{suffix}",
                     "kvb-ucx",
                     UCX_ENV[tls],
-                    {"busy_poll_us": busy_poll_us},
-                    f"defaults: progress=thread, busy_poll_us={busy_poll_us}, error_mode=none",
+                    {"busy_poll_us": bp},
+                    f"progress=thread, busy_poll_us={bp}, error_mode=none",
                     tls,
                 )
             )
@@ -186,13 +188,13 @@ def format_rows(cfgs: list[Config], size: int, load: str) -> str:
     by = {c.name: c for c in cfgs}
     uv = by.get("uvloop ping-pong")
     head = (
-        f"{'size':>6} {'load':<9} {'row':<20} {'median us':>9} {'P99 us':>8} {'sender us':>9} "
+        f"{'size':>6} {'load':<9} {'row':<24} {'median us':>9} {'P99 us':>8} {'sender us':>9} "
         f"{'vs uvloop':>9} {'vs NIXL':>8} {'sender vs NIXL':>14}  setting"
     )
     lines = [head, "-" * len(head)]
     for c in cfgs:
         if c.error or not c.samples:
-            lines.append(f"{size:>6} {load:<9} {c.name:<20} error: {c.error or 'no samples'}")
+            lines.append(f"{size:>6} {load:<9} {c.name:<24} error: {c.error or 'no samples'}")
             continue
         med = statistics.median(c.samples) * 1e6
         snd = statistics.median(c.sender) * 1e6 if c.sender else float("nan")
@@ -203,7 +205,7 @@ def format_rows(cfgs: list[Config], size: int, load: str) -> str:
             r_nx = f"{med / (statistics.median(nixl.samples) * 1e6):.2f}x"
             r_snd = f"{snd / (statistics.median(nixl.sender) * 1e6):.2f}x"
         lines.append(
-            f"{size:>6} {load:<9} {c.name:<20} {med:9.1f} {_p99(c.samples) * 1e6:8.1f} {snd:9.1f} "
+            f"{size:>6} {load:<9} {c.name:<24} {med:9.1f} {_p99(c.samples) * 1e6:8.1f} {snd:9.1f} "
             f"{r_uv:>9} {r_nx:>8} {r_snd:>14}  {c.setting}"
         )
     return "\n".join(lines)
@@ -220,8 +222,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--burst", type=int, default=25, help="samples per row per round")
-    p.add_argument("--busy-poll-us", type=int, default=200, help="kvbridge UCX busy_poll_us")
+    p.add_argument(
+        "--busy-poll-us",
+        default="1000",
+        help="kvbridge UCX busy_poll_us: a comma list gives one row each (the first is the default)",
+    )
     p.add_argument("--busy", action="store_true", help="also measure with one core kept busy")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the pieces of one small UCX put in one process",
+    )
     p.add_argument("--timeout", type=float, default=120.0)
 
 
@@ -236,9 +247,95 @@ def run(args: Any) -> int:
     print(f"# kvbridge-bench latency {' '.join(sys.argv[2:])}")
     for load in loads:
         for size in [int(s) for s in args.sizes.split(",")]:
-            cfgs = configs(tls, libs, args.busy_poll_us)
+            cfgs = configs(tls, libs, [int(x) for x in str(args.busy_poll_us).split(",")])
             with spinning_core(load != "idle"):
                 measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout)
             print(format_rows(cfgs, size, load), flush=True)
             ok = ok and all(not c.error for c in cfgs)
+    if args.breakdown:
+        for t in tls:
+            for size in [int(s) for s in args.sizes.split(",")]:
+                ctx = mp.get_context("spawn")
+                with ctx.Pool(1) as pool:  # its own process: UCX_TLS is read at start
+                    rows = pool.apply(breakdown, (t, size))
+                print(f"# where the time goes: UCX_TLS={t}, {size} bytes, one process")
+                for name, us in rows:
+                    print(f"  {name:<44} {us:8.2f} us")
     return 0 if ok else 1
+
+
+# ---- where the time goes: one process, two agents, timed piece by piece -----------------------
+def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
+    """Median microseconds of each piece of a small put on the UCX path, in
+    one process (the receiving agent's progress thread answers)."""
+    import asyncio
+    import os
+
+    import numpy as np
+
+    os.environ["UCX_TLS"] = tls
+    from ..transport.ucx import UcxAgent
+    from ..transport.ucx.messages import Kind, Message, encode_message
+    from .latency_peers import page_layout
+
+    lay = page_layout(size)
+    out: list[tuple[str, float]] = []
+
+    def timed(name: str, fn: Any) -> None:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out.append((name, statistics.median(ts) * 1e6))
+
+    async def main() -> None:
+        ca = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+        cb = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+        a = UcxAgent(lay, ca, staging_bytes=0, min_put_run_bytes=0)
+        b = UcxAgent(lay, cb, staging_bytes=0, min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        bt = np.array([0], dtype=np.int64)
+        for i in range(100):
+            await peer.send(f"w{i}", bt, bt, 0, 16)
+        plan = peer.plan
+        timed("page runs in C++ (RunPlan.runs)", lambda: plan.runs(bt, bt, 0, 16, 0, 1))
+        note = encode_message(Message(Kind.DONE, a.agent_id, "r", 0, 16, 0, 1, size))
+        timed(
+            "DONE message encoding",
+            lambda: encode_message(Message(Kind.DONE, a.agent_id, "r", 0, 16, 0, 1, size)),
+        )
+        eng = a._engine  # the compiled engine: put, flush and DONE, progressed inline
+        ts, inline = [], 0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            _, status, _, _ = eng.put_range(
+                peer.ep, plan, bt, bt, 0, 16, 0, 1, note, 0, a.busy_poll_us
+            )
+            ts.append(time.perf_counter() - t0)
+            inline += status == 0
+            await asyncio.sleep(0)  # let the receiving agent's loop poll, as in real use
+        out.append(
+            (f"engine put + flush + DONE ({inline / n:.0%} inline)", statistics.median(ts) * 1e6)
+        )
+        timed("handle creation", lambda: a.new_handle("r", "send", size, 30.0, armed=False))
+        loop = asyncio.get_running_loop()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fut = loop.create_future()
+            loop.call_soon(fut.set_result, None)
+            await fut
+            ts.append(time.perf_counter() - t0)
+        out.append(("one asyncio wake-up (future via call_soon)", statistics.median(ts) * 1e6))
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            await peer.send(f"s{i}", bt, bt, 0, 16)
+            ts.append(time.perf_counter() - t0)
+        out.append(("peer.send + await, whole", statistics.median(ts) * 1e6))
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+    return out

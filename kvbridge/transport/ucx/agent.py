@@ -86,7 +86,7 @@ class UcxAgent:
         heartbeat: float = 1.0,
         peer_timeout: float = 10.0,
         progress: str = "thread",
-        busy_poll_us: int = 200,
+        busy_poll_us: int = 1000,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
