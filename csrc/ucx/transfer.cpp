@@ -1,5 +1,7 @@
 // Endpoints, one-sided put batches ordered before their notification, and
 // small active messages.
+#include <sched.h>
+
 #include <chrono>
 
 #include "engine.h"
@@ -258,7 +260,7 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
     const auto until = Clock::now() + std::chrono::microseconds(spin_us);
     bool done = false;
     do {
-      progress_locked(16);
+      if (progress_locked(16) == 0) sched_yield();  // the peer may need this core to answer
       polled_ns_.store(Clock::now().time_since_epoch().count());
       done = take_sync(id, &status);
     } while (!done && Clock::now() < until);

@@ -27,6 +27,7 @@ completes before the call returns.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -80,6 +81,11 @@ class ThreadProgress:
             return
         if self._engine.progress():
             self._until = time.monotonic() + self._window
+        else:
+            # Give the core away between polls: the peer that has to answer
+            # may be waiting for this very core (2 cores, other jobs), and a
+            # poller that never yields makes it wait for the scheduler tick.
+            os.sched_yield()
         self._on_events()
         if not self._closed and time.monotonic() < self._until:
             self._loop.call_soon(self._poll)
@@ -142,6 +148,8 @@ class LoopProgress:
         while True:
             if self._engine.progress():
                 self._hot_until = time.monotonic() + self._hot_window
+            else:
+                os.sched_yield()  # as ThreadProgress._poll
             self._on_events()
             if self._closed:
                 return
