@@ -173,17 +173,19 @@ def test_staging_pack_runs_off_the_event_loop() -> None:
     async def body() -> None:
         lb = SMALL.replace(page_tokens=16)
         src, dst = make_cache(SMALL, 16, 5), make_cache(lb, 16, None)
-        a = ucx.UcxAgent(SMALL, src, packer=SlowPacker(0.4), staging_bytes=1 << 16)
+        a = ucx.UcxAgent(SMALL, src, packer=SlowPacker(0.8), staging_bytes=1 << 16)
         b = ucx.UcxAgent(lb, dst, packer=packer(), staging_bytes=1 << 16)
         peer = await a.connect(b.metadata())
         bt = np.arange(8)
         he = b.expect("s", bt[:4], 0, 60)
         hs = peer.send("s", bt, bt[:4], 0, 60)
-        # while the pack sleeps on its thread, the loop keeps running
-        t0 = time.monotonic()
-        for _ in range(10):
+        # while the pack sleeps on its thread (0.8 s a chunk), the loop keeps
+        # running: a pack on the loop would allow about one tick in 0.5 s
+        ticks, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 0.5:
             await asyncio.sleep(0.01)
-        assert time.monotonic() - t0 < 0.3
+            ticks += 1
+        assert ticks >= 10, ticks
         assert not hs.done()
         await hs
         await he
@@ -209,6 +211,25 @@ def test_remote_deadline_is_a_transfer_timeout_at_the_sender() -> None:
         # the receiver's ABORT carries ErrorCode.TIMEOUT: the same type as over TCP
         with pytest.raises(TransferTimeout):
             await hs
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+@needs_ucx
+def test_peer_abort_fails_the_receivers_expect_with_nothing_in_flight() -> None:
+    async def body() -> None:
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        bt = np.arange(4)
+        he = b.expect("q", bt, 0, 30)
+        await peer.send("q", bt, bt, 0, 30, layers=(0, 1))  # one layer of four landed
+        peer.abort("q", Cancelled("the rest will not come"))
+        with pytest.raises(TransferAborted, match="will not come") as ei:
+            await he.wait(5)
+        assert ei.value.code == 9  # ErrorCode.CANCELLED, as over TCP
         await a.close()
         await b.close()
 

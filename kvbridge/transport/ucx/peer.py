@@ -5,11 +5,12 @@ notification) or the staging path (pack, put, unpack)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import KVBridgeError, LayoutError
+from ...errors import Cancelled, KVBridgeError, LayoutError, abort_code
 from ...layout import KVLayout
 from .handle import TransferHandle
 from .messages import Kind, Message, encode_message
@@ -70,6 +71,10 @@ class PeerHost(Protocol):
     ) -> TransferHandle: ...
 
     async def close_peer(self, peer: UcxPeer) -> None: ...
+
+    def post_message(
+        self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
+    ) -> None: ...
 
 
 def _table(bt: Any) -> np.ndarray:
@@ -192,6 +197,19 @@ class UcxPeer:
         return self._host.expect(
             request_id, block_table, start, end, layers, timeout=timeout, peer=self
         )
+
+    def abort(self, request_id: str, error: KVBridgeError | None = None) -> None:
+        """Abort ``request_id`` at the peer (its expect fails with the error
+        that ``error``'s ABORT code maps to: ``TransferAborted`` for a
+        ``Cancelled``, the default) and fail our sends of it here, also when
+        none is in flight: a layer-wise sender whose remaining layers will
+        never come tells the receiver so."""
+        self._check()
+        rid = str(request_id)
+        exc = error if error is not None else Cancelled(f"request {rid!r} aborted by the sender")
+        self.fail_sends(exc, rid)
+        msg = Message(Kind.ABORT, self._host.agent_id, rid, code=abort_code(exc), text=str(exc))
+        self._host.post_message(self, msg)
 
     async def close(self) -> None:
         """Say goodbye and release the endpoint."""
