@@ -344,41 +344,59 @@ def ucs_error(status: int, message: str) -> UcxError:
 
 
 # --- ABORT codes of both transports ----------------------------------------------
-# The values of kvbridge.wire.frames.ErrorCode that a transfer ABORT carries, on
-# TCP (protocol.md) and on UCX (ucx.md); the same failure raises the same type
-# on either.
-_ABORT_MISMATCH = 8  # TRANSFER_MISMATCH
-_ABORT_UNKNOWN_TOKEN = 7  # UNKNOWN_TOKEN
-_ABORT_PROTOCOL = 5  # PROTOCOL_ERROR
-_ABORT_CANCELLED = 9  # CANCELLED
-_ABORT_TIMEOUT = 10  # TIMEOUT
-_ABORT_RESOURCE = 11  # RESOURCE_LIMIT
-_ABORT_SHUTDOWN = 14  # SHUTDOWN
+# The values of kvbridge.wire.frames.ErrorCode that an ABORT (and an ERROR)
+# carries, on TCP (protocol.md) and on UCX (ucx.md); the same failure raises
+# the same type on either.
+_FROM_CODE: dict[int, type[KVBridgeError]] = {
+    1: VersionMismatch,  # VERSION_MISMATCH
+    2: IncompatiblePeer,  # INCOMPATIBLE_LAYOUT
+    3: AuthenticationError,  # AUTH_FAILED
+    4: AuthenticationError,  # IDENTITY_REJECTED
+    5: RemoteProtocolError,  # PROTOCOL_ERROR
+    6: FrameTooLarge,  # FRAME_TOO_LARGE
+    7: AuthenticationError,  # UNKNOWN_TOKEN
+    8: IncompatiblePeer,  # TRANSFER_MISMATCH
+    10: TransferTimeout,  # TIMEOUT
+    11: ResourceLimit,  # RESOURCE_LIMIT
+}
+
+# our error -> the code we send; the first class that matches wins
+_TO_CODE: list[tuple[type[BaseException], int]] = [
+    (VersionMismatch, 1),
+    (FrameTooLarge, 6),
+    (DecompressError, 16),
+    (ChecksumError, 15),
+    (AuthenticationError, 3),
+    (IncompatiblePeer, 2),
+    (ResourceLimit, 11),
+    (ProtocolError, 5),
+    (Cancelled, 9),
+    (KVBridgeTimeout, 10),
+]
 
 
-def abort_error(code: int, reason: str) -> KVBridgeError:
-    """The typed error for an ABORT received from the peer."""
-    if code == _ABORT_UNKNOWN_TOKEN:
-        return AuthenticationError(f"peer refused the transfer token: {reason}")
-    if code == _ABORT_MISMATCH:
-        return IncompatiblePeer(f"peer refused the transfer: {reason}")
-    if code == _ABORT_TIMEOUT:
-        return TransferTimeout(f"peer's deadline passed: {reason}")
-    if code == _ABORT_RESOURCE:
-        return ResourceLimit(f"peer limit: {reason}")
-    return TransferAborted(reason, code)
+def error_for_code(code: int, reason: str, *, connection: bool = False) -> KVBridgeError:
+    """The typed error for a code that the peer sent: in an ABORT (one
+    transfer ends) or, with ``connection=True``, in an ERROR (the connection
+    ends).  Codes without a class of their own (UNSPECIFIED, CANCELLED,
+    SINK_ERROR, SOURCE_ERROR, SHUTDOWN, CHECKSUM, DECOMPRESS, unknown codes)
+    are ``TransferAborted(code)`` in an ABORT, ``RemoteProtocolError`` in an
+    ERROR."""
+    cls = _FROM_CODE.get(code)
+    if cls is None:
+        if not connection:
+            return TransferAborted(reason, code)
+        cls = RemoteProtocolError
+    what = "closed the connection" if connection else "ended the transfer"
+    return cls(f"peer {what} (code {code}): {reason}")
 
 
-def abort_code(exc: BaseException) -> int:
-    """The ABORT code that tells the peer why we stop a transfer."""
-    if isinstance(exc, KVBridgeTimeout):
-        return _ABORT_TIMEOUT
-    if isinstance(exc, Cancelled):
-        return _ABORT_CANCELLED
-    if isinstance(exc, ResourceLimit):
-        return _ABORT_RESOURCE
-    if isinstance(exc, IncompatiblePeer):
-        return _ABORT_MISMATCH
-    if isinstance(exc, ProtocolError):
-        return _ABORT_PROTOCOL
-    return 0  # UNSPECIFIED
+def code_for_error(exc: BaseException) -> int:
+    """The code that tells the peer why we end a transfer because of ``exc``
+    (a ``TransferAborted`` keeps its code; 0, UNSPECIFIED, when nothing fits)."""
+    if isinstance(exc, TransferAborted):
+        return exc.code
+    for cls, code in _TO_CODE:
+        if isinstance(exc, cls):
+            return code
+    return 0

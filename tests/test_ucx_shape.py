@@ -20,8 +20,8 @@ from kvbridge.errors import (
     PeerGone,
     TransferAborted,
     TransferTimeout,
-    abort_code,
-    abort_error,
+    code_for_error,
+    error_for_code,
     ucs_error,
 )
 from kvbridge.layout import KVLayout
@@ -77,9 +77,9 @@ def test_ucs_statuses_map_by_family(status: int, cls: type, family: type) -> Non
 
 def test_abort_codes_are_error_codes_both_ways() -> None:
     # the same failure raises the same type whichever transport carried it
-    assert isinstance(abort_error(abort_code(TransferTimeout("t")), "t"), TransferTimeout)
-    assert isinstance(abort_error(abort_code(IncompatiblePeer("x")), "x"), IncompatiblePeer)
-    cancelled = abort_error(abort_code(Cancelled("c")), "c")
+    assert isinstance(error_for_code(code_for_error(TransferTimeout("t")), "t"), TransferTimeout)
+    assert isinstance(error_for_code(code_for_error(IncompatiblePeer("x")), "x"), IncompatiblePeer)
+    cancelled = error_for_code(code_for_error(Cancelled("c")), "c")
     assert isinstance(cancelled, TransferAborted) and cancelled.code == 9
     # a version 1 peer's codes 1-3 read as CANCELLED, TIMEOUT, PROTOCOL_ERROR
     v1 = [Message(Kind.ABORT, b"A" * 16, "r", code=c, version=1) for c in (1, 2, 3, 7)]

@@ -35,8 +35,8 @@ from ...errors import (
     PeerGone,
     TransferTimeout,
     Unavailable,
-    abort_code,
-    abort_error,
+    code_for_error,
+    error_for_code,
     ucs_error,
 )
 from ...layout import KVLayout
@@ -446,7 +446,9 @@ class UcxAgent:
             peer.untrack(h)
         if peer is None:
             return
-        msg = Message(Kind.ABORT, self.agent_id, h.request_id, code=abort_code(exc), text=str(exc))
+        msg = Message(
+            Kind.ABORT, self.agent_id, h.request_id, code=code_for_error(exc), text=str(exc)
+        )
         self.post_message(peer, msg)
 
     # ---- loop binding, progress, heartbeat -------------------------------------------------------
@@ -548,10 +550,10 @@ class UcxAgent:
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
             self.staging.on_message(m)
         elif m.kind is Kind.ABORT:
-            exc = abort_error(abort_code_v2(m), m.text)
+            exc = error_for_code(abort_code_v2(m), m.text)
             peer.fail_sends(exc, m.rid)
             self.expectations.on_abort(peer, m.rid, exc)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
-        msg = Message(Kind.ABORT, self.agent_id, rid, code=abort_code(why), text=str(why))
+        msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))
         self.post_message(peer, msg)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import Cancelled, KVBridgeError, LayoutError, abort_code
+from ...errors import Cancelled, KVBridgeError, LayoutError, code_for_error
 from ...layout import KVLayout
 from .handle import TransferHandle
 from .messages import Kind, Message, encode_message
@@ -208,7 +208,7 @@ class UcxPeer:
         rid = str(request_id)
         exc = error if error is not None else Cancelled(f"request {rid!r} aborted by the sender")
         self.fail_sends(exc, rid)
-        msg = Message(Kind.ABORT, self._host.agent_id, rid, code=abort_code(exc), text=str(exc))
+        msg = Message(Kind.ABORT, self._host.agent_id, rid, code=code_for_error(exc), text=str(exc))
         self._host.post_message(self, msg)
 
     async def close(self) -> None:
