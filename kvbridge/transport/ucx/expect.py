@@ -149,7 +149,9 @@ class Expectations:
             )
             h.fail(err)
             self.drop(ex)
-            self._reject(peer, m.rid, IncompatiblePeer(str(err)))  # INCOMPATIBLE_LAYOUT at the sender
+            self._reject(
+                peer, m.rid, IncompatiblePeer(str(err))
+            )  # INCOMPATIBLE_LAYOUT at the sender
             return
         if m.kind is Kind.DONE:
             h.stats.path = h.stats.path or "put"
