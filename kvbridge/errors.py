@@ -328,3 +328,119 @@ def code_for_error(exc: BaseException) -> int:
         if isinstance(exc, cls):
             return int(code)
     return int(ErrorCode.UNSPECIFIED)
+
+
+# --- UCS statuses (the UCX transport) -------------------------------------------
+# One class per family of ucs_status_t values (ucs/type/status.h), each also a
+# subclass of the kvbridge error that the family means, so that an engine's
+# ``except PeerGone`` or ``except TransferTimeout`` holds on both transports.
+class UcxError(KVBridgeError):
+    """A UCX call failed; ``status`` is the ucs_status_t value (negative) and
+    ``status_name`` its name without the ``UCS_`` prefix (``ERR_IO_ERROR``)."""
+
+    status: int = 0
+    status_name: str = ""
+
+
+class UcxPeerError(UcxError, PeerGone):
+    """The peer or the path to it is gone: unreachable, not connected, reset,
+    rejected, an I/O error, a link or endpoint failure, an endpoint timeout."""
+
+
+class UcxTimeout(UcxError, TransferTimeout):
+    """UCS_ERR_TIMED_OUT."""
+
+
+class UcxCancelled(UcxError, Cancelled):
+    """UCS_ERR_CANCELED: the operation was cancelled (an endpoint closed under it)."""
+
+
+class UcxInvalid(UcxError, InvalidArgument):
+    """A bad parameter, address, size or range reached UCX."""
+
+
+class UcxUnsupported(UcxError, Unavailable):
+    """UCX lacks the transport, device or operation asked for."""
+
+
+class UcxNoResource(UcxError, ResourceLimit):
+    """UCX ran out of memory, resources or slots, or was busy."""
+
+
+UCS_STATUS_NAMES: dict[int, str] = {
+    0: "OK",
+    1: "INPROGRESS",
+    -1: "ERR_NO_MESSAGE",
+    -2: "ERR_NO_RESOURCE",
+    -3: "ERR_IO_ERROR",
+    -4: "ERR_NO_MEMORY",
+    -5: "ERR_INVALID_PARAM",
+    -6: "ERR_UNREACHABLE",
+    -7: "ERR_INVALID_ADDR",
+    -8: "ERR_NOT_IMPLEMENTED",
+    -9: "ERR_MESSAGE_TRUNCATED",
+    -10: "ERR_NO_PROGRESS",
+    -11: "ERR_BUFFER_TOO_SMALL",
+    -12: "ERR_NO_ELEM",
+    -13: "ERR_SOME_CONNECTS_FAILED",
+    -14: "ERR_NO_DEVICE",
+    -15: "ERR_BUSY",
+    -16: "ERR_CANCELED",
+    -17: "ERR_SHMEM_SEGMENT",
+    -18: "ERR_ALREADY_EXISTS",
+    -19: "ERR_OUT_OF_RANGE",
+    -20: "ERR_TIMED_OUT",
+    -21: "ERR_EXCEEDS_LIMIT",
+    -22: "ERR_UNSUPPORTED",
+    -23: "ERR_REJECTED",
+    -24: "ERR_NOT_CONNECTED",
+    -25: "ERR_CONNECTION_RESET",
+    -80: "ERR_ENDPOINT_TIMEOUT",
+}
+
+_UCS_FAMILY: dict[int, type[UcxError]] = {
+    -2: UcxNoResource,  # NO_RESOURCE
+    -3: UcxPeerError,  # IO_ERROR
+    -4: UcxNoResource,  # NO_MEMORY
+    -5: UcxInvalid,  # INVALID_PARAM
+    -6: UcxPeerError,  # UNREACHABLE
+    -7: UcxInvalid,  # INVALID_ADDR
+    -8: UcxUnsupported,  # NOT_IMPLEMENTED
+    -9: UcxInvalid,  # MESSAGE_TRUNCATED
+    -11: UcxInvalid,  # BUFFER_TOO_SMALL
+    -12: UcxNoResource,  # NO_ELEM
+    -13: UcxPeerError,  # SOME_CONNECTS_FAILED
+    -14: UcxUnsupported,  # NO_DEVICE
+    -15: UcxNoResource,  # BUSY
+    -16: UcxCancelled,  # CANCELED
+    -17: UcxNoResource,  # SHMEM_SEGMENT
+    -19: UcxInvalid,  # OUT_OF_RANGE
+    -20: UcxTimeout,  # TIMED_OUT
+    -21: UcxNoResource,  # EXCEEDS_LIMIT
+    -22: UcxUnsupported,  # UNSUPPORTED
+    -23: UcxPeerError,  # REJECTED
+    -24: UcxPeerError,  # NOT_CONNECTED
+    -25: UcxPeerError,  # CONNECTION_RESET
+}
+
+
+def ucs_error_class(status: int) -> type[UcxError]:
+    """The class for a ucs_status_t value: link failures (-40..-59) and
+    endpoint failures (-60..-89, the endpoint timeout among them) are
+    ``UcxPeerError``; an unknown value is ``UcxError``."""
+    if -89 <= status <= -40:
+        return UcxPeerError
+    return _UCS_FAMILY.get(status, UcxError)
+
+
+def ucs_error(status: int, message: str) -> UcxError:
+    """The typed error for a UCS status (returns, does not raise)."""
+    name = UCS_STATUS_NAMES.get(status, "")
+    if not name and -59 <= status <= -40:
+        name = f"ERR_LINK_FAILURE({status})"
+    elif not name and -89 <= status <= -60:
+        name = f"ERR_ENDPOINT_FAILURE({status})"
+    err = ucs_error_class(status)(f"{message} [UCS {name or status}]")
+    err.status = status
+    err.status_name = name
+    return err

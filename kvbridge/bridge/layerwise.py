@@ -196,17 +196,11 @@ class LayerwiseSend(SendGroup):
 
     def _tell_ucx_receiver(self, name: str, reason: str) -> None:
         """No part of this destination is in flight, yet its receiver waits
-        for layers that will not come: an empty part, cancelled at once,
-        carries the abort to it."""
-        t = self.tickets[name]
-        lo = self._ucx_sent[name]
+        for layers that will not come: an ABORT tells it."""
         try:
-            d = self.bridge._ucx_delivery(
-                name, self.request_id, self.block_table, t, (lo, lo), self.timeout
-            )
+            self.bridge._ucx_peers[name].abort(self.request_id, Cancelled(reason))
         except KVBridgeError:
             return  # the peer is gone or closed: its expect fails by itself
-        d.cancel(reason)
 
     def cancel(self, reason: str = "cancelled by the sender") -> None:
         self._end(Cancelled(reason))
