@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KVBridgeError, Unavailable
+from ..errors import InvalidArgument, KVBridgeError, Unavailable
 from ..layout import KVLayout
 from ..transport.tcp import run
 
@@ -43,7 +43,7 @@ class Scenario:
         )
         if self.bulk and length.size:
             if not np.array_equal(off[1:], off[:-1] + length[:-1]):
-                raise ValueError("a bulk scenario needs contiguous pages")
+                raise InvalidArgument("a bulk scenario needs contiguous pages")
             return off[:1], np.array([int(length.sum())], dtype=length.dtype)
         return off, length
 

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import KVBridgeError, KVBridgeTimeout, PeerGone
 from .compare import spinning_core
 from .latency_peers import side_main
 
@@ -113,12 +114,12 @@ class Pair:
         end = time.monotonic() + timeout
         while not c.poll(0.1):
             if not p.is_alive() and not c.poll(0.1):
-                raise ChildProcessError(f"{p.name} exited with code {p.exitcode}")
+                raise PeerGone(f"{p.name} exited with code {p.exitcode}")
             if time.monotonic() > end:
-                raise TimeoutError(f"{p.name}: no answer within {timeout} s")
+                raise KVBridgeTimeout(f"{p.name}: no answer within {timeout} s")
         msg = c.recv()
         if msg[0] == "error":
-            raise RuntimeError(f"{p.name}: {msg[1]}")
+            raise KVBridgeError(f"{p.name}: {msg[1]}")
         return msg
 
     def start(self, timeout: float) -> None:
@@ -161,7 +162,7 @@ def measure(
                 pair.start(timeout)
                 pair.burst(warmup, timeout)
                 pairs.append(pair)
-            except (RuntimeError, TimeoutError, ChildProcessError) as e:
+            except KVBridgeError as e:
                 cfg.error = str(e)
                 pair.close()
         for _ in range(rounds):
@@ -172,7 +173,7 @@ def measure(
                     s, snd = pair.burst(burst, timeout)
                     pair.cfg.samples += s
                     pair.cfg.sender += snd
-                except (RuntimeError, TimeoutError, ChildProcessError) as e:
+                except KVBridgeError as e:
                     pair.cfg.error = str(e)
     finally:
         for pair in pairs:

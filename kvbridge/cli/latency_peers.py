@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import KVBridgeError, TransferTimeout
 from ..layout import DType, KVLayout
 
 
@@ -220,7 +221,7 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
             notifs = agent.get_new_notifs()
             if any(notifs.values()):
                 return
-        raise TimeoutError("no NIXL notification")
+        raise TransferTimeout("no NIXL notification")
 
     def wait_done() -> None:
         end = time.monotonic() + deadline_s
@@ -228,7 +229,7 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
         while state == "PROC" and time.monotonic() < end:
             state = agent.check_xfer_state(handle)
         if state != "DONE":
-            raise RuntimeError(f"NIXL transfer state {state}")
+            raise KVBridgeError(f"NIXL transfer state {state}")
 
     while True:
         cmd = conn.recv()
@@ -239,7 +240,7 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
             if role == 0:
                 t0 = time.perf_counter()
                 if agent.transfer(handle) not in ("PROC", "DONE"):
-                    raise RuntimeError("NIXL transfer failed to post")
+                    raise KVBridgeError("NIXL transfer failed to post")
                 wait_done()
                 t1 = time.perf_counter()
                 wait_notif()
