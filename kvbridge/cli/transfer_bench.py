@@ -43,6 +43,7 @@ class _ReuseSink:
     layout_hash = 0
     token_range = (0, 0)
     layer_range = (0, 0)
+    flush_on_loop = True
 
     def __init__(self, buf: bytearray, nbytes: int) -> None:
         self.buf = memoryview(buf)

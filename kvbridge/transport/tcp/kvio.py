@@ -57,6 +57,11 @@ class Sink(Protocol):
 # hands over a buffer in which the source wrote every byte, so the transport
 # need not zero-fill one for ``read_into`` first (a whole memory pass per chunk).
 #
+# A source with ``read`` that fills a small buffer without blocking (a CPU
+# pack, not a wait for a device) may say so with ``read_on_loop = True``: the
+# sender then prepares its small chunks on the event loop, without a hop to a
+# worker thread (kvbridge.transport.tcp.prepare.inline_limit).
+#
 # A sink whose bytes are plain contiguous host memory may also offer
 #
 #     def view(self, offset: int, n: int) -> memoryview   (writable, exactly n bytes)
@@ -65,6 +70,26 @@ class Sink(Protocol):
 # with no copy.  Those bytes land before their checksum is verified: a damaged
 # chunk is asked for again and overwritten, and a cancelled transfer stops
 # writing there at once.  The engine reads nothing before completion anyway.
+#
+# A sink whose ``flush()`` is cheap and never blocks may say so with
+# ``flush_on_loop = True``: the receiver then calls it on the event loop, so
+# that COMPLETE leaves with the reply to the last chunk, without a hop to a
+# worker thread.  Without it, flush() runs in a worker thread.
+
+
+_SOURCE_ATTRS = ("nbytes", "itemsize", "layout_hash", "token_range", "layer_range", "read_into")
+_SINK_ATTRS = ("nbytes", "layout_hash", "token_range", "layer_range", "write", "flush")
+
+
+def is_source(obj: object) -> bool:
+    """``isinstance(obj, Source)`` without the protocol check's cost (tens
+    of microseconds on each call, on the path of every small transfer)."""
+    return all(hasattr(obj, a) for a in _SOURCE_ATTRS)
+
+
+def is_sink(obj: object) -> bool:
+    """``isinstance(obj, Sink)``, cheaply (see :func:`is_source`)."""
+    return all(hasattr(obj, a) for a in _SINK_ATTRS)
 
 
 def _check(offset: int, n: int, total: int) -> None:
@@ -105,6 +130,8 @@ class BytesSource:
 
 class BytesSink:
     """A sink that fills a preallocated bytearray (``.data``)."""
+
+    flush_on_loop = True  # flush() only records that it was called
 
     def __init__(
         self,
@@ -171,6 +198,12 @@ class KVSource(_KVBase):
     A CUDA cache packs into pinned host memory (the device-to-host copy is part
     of the pack kernel's output), and waits for it."""
 
+    @property
+    def read_on_loop(self) -> bool:
+        """A CPU pack of a small chunk may run on the event loop; a CUDA one
+        waits for its kernel and may not."""
+        return not getattr(self.cache, "is_cuda", False)
+
     def read(self, offset: int, n: int) -> memoryview:
         """A new buffer of the bytes ``[offset, offset + n)``: the pack core
         writes every byte, so it is not zero-filled first."""
@@ -203,6 +236,8 @@ class KVSource(_KVBase):
 class KVSink(_KVBase):
     """Unpacks verified chunks straight into the destination pages.  A CUDA
     cache unpacks from a pinned staging copy and waits for the kernel."""
+
+    flush_on_loop = True  # every write already waited for its kernel: flush() is a no-op
 
     def write(self, offset: int, data: memoryview) -> None:
         _check(offset, len(data), self.nbytes)

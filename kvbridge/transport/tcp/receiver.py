@@ -67,10 +67,10 @@ from .bufpool import BufferPool
 from .conn import FrameConnection, serve_handshake
 from .handles import ExpectHandle
 from .identity import certificate_names, check_mode
-from .kvio import Sink
+from .kvio import Sink, is_sink
 from .limits import ReceiverLimits
 from .peers import Peer, PeerTable
-from .writes import WriteQueue
+from .writes import WriteQueue, decode_and_write
 
 log = logging.getLogger("kvbridge.transport")
 
@@ -219,7 +219,7 @@ class TcpReceiver:
         """Expect a transfer into ``sink``; returns the handle whose ``token`` the
         sender must present.  ``timeout`` bounds the whole transfer (None:
         ``DEFAULT_TRANSFER_TIMEOUT``, 60 s)."""
-        if not isinstance(sink, Sink):
+        if not is_sink(sink):
             raise InvalidArgument("sink must provide nbytes, layout_hash, ranges, write and flush")
         seconds = transfer_timeout(timeout)
         token = os.urandom(TOKEN_SIZE)
@@ -444,7 +444,10 @@ class TcpReceiver:
             elif isinstance(o, Write):
                 self._queue_write(t, o, peer)
             elif isinstance(o, Flush):
-                self._spawn(self._flush(t))
+                if getattr(t.sink, "flush_on_loop", False):
+                    self._flush_now(t)  # cheap and never blocks: no thread hop
+                else:
+                    self._spawn(self._flush(t))
             elif isinstance(o, Resolve):
                 t.handle._resolve(o.error)
             elif isinstance(o, StopPlacing):
@@ -490,28 +493,53 @@ class TcpReceiver:
         if peer is not None:
             self._peers.charge(peer, size)
 
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                outs = t.write_failed(w.job, error, self._now())
+            else:
+                outs = t.written(w.job, self._now())
+            if peer is not None:
+                self._peers.refund(peer, size)
+            data = w.data.data
+            if isinstance(data, memoryview) and not w.data.placed:
+                self._bufpool.put(data.obj)
+            self._apply(t, outs)
+
+        if self._writes.inline(w.data):  # now, on the loop: no task, no thread
+            try:
+                decode_and_write(t.sink, w.data, w.pieces)
+            except Exception as e:
+                done(e)
+            else:
+                done(None)
+            return
+
         async def job() -> None:
             try:
                 await self._writes.write(t.sink, w.data, w.pieces)
             except Exception as e:
-                outs = t.write_failed(w.job, e, self._now())
+                done(e)
             else:
-                outs = t.written(w.job, self._now())
-            finally:
-                if peer is not None:
-                    self._peers.refund(peer, size)
-                data = w.data.data
-                if isinstance(data, memoryview) and not w.data.placed:
-                    self._bufpool.put(data.obj)
-            self._apply(t, outs)
+                done(None)
 
         self._writes.push(t.priority, t.total - t.received_bytes, job)
+
+    def _flush_now(self, t: _Rx) -> None:
+        try:
+            t.sink.flush()
+        except Exception as e:
+            self._flush_failed(t, e)
+            return
+        self._apply(t, t.flushed(self._now()))
 
     async def _flush(self, t: _Rx) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, t.sink.flush)
         except Exception as e:
-            err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"sink flush failed: {e!r}")
-            self._apply(t, t.flush_failed(err, self._now()))
+            self._flush_failed(t, e)
             return
         self._apply(t, t.flushed(self._now()))
+
+    def _flush_failed(self, t: _Rx, e: BaseException) -> None:
+        err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"sink flush failed: {e!r}")
+        self._apply(t, t.flush_failed(err, self._now()))

@@ -4,9 +4,10 @@ urgency, at most one per worker thread at a time.
 The highest priority goes first, then the transfer with the fewest bytes
 left, then arrival order, so that a small transfer is not queued behind a
 large one here either.  Small raw chunks are written on the event loop (a
-thread hop costs more); the rest (decompression, unpacking into pages) in a
-worker thread, where the pack core, the decompressors and xxhash release the
-GIL.
+thread hop costs more): at once, as they arrive, when nothing is queued
+(:meth:`WriteQueue.inline`); the rest (decompression, unpacking into pages)
+in a worker thread, where the pack core, the decompressors and xxhash
+release the GIL.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class WriteQueue:
         self.closing = False
         self.tasks: set[asyncio.Task[None]] = set()
 
+    def inline(self, m: Data) -> bool:
+        """Whether ``m`` is written at once, on the loop, without a task:
+        a small raw chunk while nothing waits in the queue (so no more
+        urgent chunk is passed over)."""
+        return not self._queue and not self.closing and _small_raw(m)
+
     def push(self, priority: int, left: int, job: Job) -> None:
         heapq.heappush(self._queue, (-priority, left, next(self._seq), job))
         self._pump()
@@ -61,12 +68,16 @@ class WriteQueue:
 
     async def write(self, sink: Sink, m: Data, pieces: tuple[tuple[int, int], ...]) -> None:
         """Verify and decode ``m`` and write ``pieces`` of it into ``sink``."""
-        if m.codec == ChunkCodec.RAW and m.raw_length <= INLINE_BYTES:
+        if _small_raw(m):
             decode_and_write(sink, m, pieces)  # cheaper than a hop to a worker thread
         else:
             await asyncio.get_running_loop().run_in_executor(
                 self.pool, decode_and_write, sink, m, pieces
             )
+
+
+def _small_raw(m: Data) -> bool:
+    return m.codec == ChunkCodec.RAW and m.raw_length <= INLINE_BYTES
 
 
 def decode_and_write(sink: Sink, m: Data, pieces: tuple[tuple[int, int], ...]) -> None:
