@@ -1,0 +1,218 @@
+"""The short way of a small transfer: its chunk leaves with its OPEN in one
+write, nothing hops to a worker thread and no task is created; the receiver
+answers the read that brought them with one write (RESUME, ACK, COMPLETE)
+once the bytes are in the sink.  And what must not change: a cancel right
+after send() still stops it, a busy sender still schedules, a sink whose
+flush may block is still flushed in a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+from tcp_support import OnceSink, arun
+
+from kvbridge.transport.tcp import BytesSink, BytesSource, TcpReceiver, TcpSender
+from kvbridge.wire.codec import FrameDecoder
+from kvbridge.wire.frames import Ack, Complete, Data, Open, Resume
+
+KiB = 1 << 10
+
+
+class _Writes:
+    """Wraps a connection's transport: records each write call's bytes."""
+
+    def __init__(self, transport: Any) -> None:
+        self._t = transport
+        self.calls: list[bytes] = []
+
+    def write(self, data: Any) -> None:
+        self.calls.append(bytes(data))
+        self._t.write(data)
+
+    def writelines(self, parts: Any) -> None:
+        parts = list(parts)
+        self.calls.append(b"".join(bytes(p) for p in parts))
+        self._t.writelines(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+
+def _frames(data: bytes, version: int = 1) -> list[Any]:
+    dec = FrameDecoder()
+    dec.version = version
+    dec.data_check = True
+    return dec.feed(data)
+
+
+@contextmanager
+def _counting(*pools: Any) -> Iterator[list[str]]:
+    """Names of the callables submitted to ``pools`` (worker-thread hops)."""
+    seen: list[str] = []
+    saved = []
+    for pool in pools:
+        orig = pool.submit
+
+        def submit(fn: Any, *a: Any, _orig: Any = orig, **k: Any) -> Any:
+            seen.append(getattr(fn, "__name__", repr(fn)))
+            return _orig(fn, *a, **k)
+
+        pool.submit = submit
+        saved.append((pool, orig))
+    try:
+        yield seen
+    finally:
+        for pool, orig in saved:
+            pool.submit = orig
+
+
+async def _pair(streams: int = 1, **tx_kw: Any) -> tuple[TcpReceiver, TcpSender]:
+    rx = await TcpReceiver().start()
+    tx = await TcpSender("127.0.0.1", rx.port, streams=streams, **tx_kw).connect()
+    await asyncio.sleep(0.05)  # the receiver's side of every handshake is done
+    return rx, tx
+
+
+@pytest.mark.parametrize("size", [1, 4 * KiB, 64 * KiB])
+def test_a_small_transfer_is_one_write_each_way_without_threads_or_tasks(size: int) -> None:
+    async def main() -> None:
+        rx, tx = await _pair(compression="off")
+        (link,) = tx._links.live
+        sent = _Writes(link.conn.transport)
+        link.conn.transport = sent  # type: ignore[assignment]
+        (rconn,) = rx._conns
+        replies = _Writes(rconn.transport)
+        rconn.transport = replies  # type: ignore[assignment]
+        data = os.urandom(size)
+        sink = BytesSink(size)
+        h = rx.expect("r", sink)
+        loop = asyncio.get_running_loop()
+        tasks: list[Any] = []
+        loop.set_task_factory(
+            lambda lp, coro, **kw: tasks.append(coro) or asyncio.Task(coro, loop=lp, **kw)
+        )
+        with _counting(tx._pool, rx._pool) as hops:
+            st = await tx.send("r", BytesSource(data), token=h.token).wait(10)
+            await h.wait(10)
+        loop.set_task_factory(None)
+        assert bytes(sink.data) == data and st.chunks == 1
+        assert hops == [] and tasks == []
+        (out,) = sent.calls  # OPEN and DATA in one write
+        assert [type(m) for m in _frames(out)] == [Open, Data]
+        # RESUME, ACK and COMPLETE in one write when OPEN and DATA came in one
+        # read; a larger DATA frame may take more reads: then RESUME answers
+        # the first and ACK + COMPLETE the last, together
+        assert [type(m) for m in _frames(b"".join(replies.calls))] == [Resume, Ack, Complete]
+        assert [type(m) for m in _frames(replies.calls[-1])][-2:] == [Ack, Complete]
+        if size <= 4 * KiB:
+            assert len(replies.calls) == 1
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_a_kv_source_and_sink_take_the_short_way_too() -> None:
+    pack = pytest.importorskip("kvbridge.pack")
+    from kvbridge.layout import KVLayout
+    from kvbridge.transport.tcp import KVSink, KVSource
+
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
+    src = pack.PagedKVCache.allocate(lay, 8, fill="random", seed=1)
+    dst = pack.PagedKVCache.allocate(lay, 8)
+    table = np.arange(8, dtype=np.int32)
+
+    async def main() -> None:
+        rx, tx = await _pair(compression="off")
+        source = KVSource(src, table, 0, 40, None)
+        assert source.read_on_loop and KVSink.flush_on_loop
+        h = rx.expect("kv", KVSink(dst, table[::-1].copy(), 0, 40, None))
+        with _counting(tx._pool, rx._pool) as hops:
+            await tx.send("kv", source, token=h.token).wait(10)
+            await h.wait(10)
+        assert hops == []  # packed on the sender's loop, unpacked on the receiver's
+        want = pack.pack(src, table, 0, 40)
+        got = pack.pack(dst, table[::-1].copy(), 0, 40)
+        assert bytes(np.asarray(want)) == bytes(np.asarray(got))
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_a_sink_whose_flush_may_block_is_flushed_in_a_worker_thread() -> None:
+    class SlowFlush(BytesSink):
+        flush_on_loop = False
+
+        def flush(self) -> None:
+            self.thread = threading.current_thread().name
+            super().flush()
+
+    class QuickFlush(SlowFlush):
+        flush_on_loop = True
+
+    async def main() -> None:
+        rx, tx = await _pair()
+        for cls, on_loop in ((SlowFlush, False), (QuickFlush, True)):
+            sink = cls(100)
+            h = rx.expect(cls.__name__, sink)
+            await tx.send(cls.__name__, BytesSource(b"x" * 100), token=h.token).wait(10)
+            await h.wait(10)
+            assert (sink.thread == threading.current_thread().name) is on_loop
+            assert sink.flushed
+        await tx.close()
+        await rx.close()
+
+    arun(main())
+
+
+def test_small_transfers_behind_a_busy_connection_wait_for_the_scheduler() -> None:
+    """While chunks wait to be sent, a new small transfer does not jump the
+    queue on its own: the scheduler picks (srpt: it still goes first)."""
+
+    async def main() -> None:
+        rx, tx = await _pair(chunk_size=256 * KiB, scheduler="fifo")
+        big = os.urandom(8 << 20)
+        hb = rx.expect("big", OnceSink(len(big)))
+        sb = tx.send("big", BytesSource(big), token=hb.token)
+        while sb.acked_bytes < 256 * KiB:
+            await asyncio.sleep(0.001)
+        assert not tx.scheduler.idle()
+        hs = rx.expect("small", BytesSink(1000))
+        ss = tx.send("small", BytesSource(b"s" * 1000), token=hs.token)
+        await asyncio.sleep(0)
+        t = ss._transfer
+        assert t.pending_chunks == 1  # queued, not written by send()
+        await asyncio.gather(sb.wait(30), ss.wait(30), hb.wait(30), hs.wait(30))
+        await tx.close()
+        await rx.close()
+
+    arun(main(), 60)
+
+
+def test_many_small_transfers_at_once_all_land() -> None:
+    async def main() -> None:
+        rx, tx = await _pair(streams=3)
+        datas = [os.urandom(1 + 997 * i) for i in range(300)]
+        sinks = [OnceSink(len(d)) for d in datas]
+        hs = [rx.expect(f"r{i}", s) for i, s in enumerate(sinks)]
+        ss = [
+            tx.send(f"r{i}", BytesSource(d), token=h.token)
+            for i, (d, h) in enumerate(zip(datas, hs, strict=True))
+        ]
+        await asyncio.gather(*(s.wait(30) for s in ss), *(h.wait(30) for h in hs))
+        assert all(bytes(s.data) == d for s, d in zip(sinks, datas, strict=True))
+        assert {s.stats.streams for s in ss} == {1}
+        # spread over the connections, not all on the first
+        assert len({id(s._transfer.tids[0][0]) for s in ss}) == 3
+        await tx.close()
+        await rx.close()
+
+    arun(main(), 60)
