@@ -122,7 +122,9 @@ class FrameConnection(asyncio.BufferedProtocol):
         except KVBridgeError as e:
             self.fail(e)
         finally:
-            self.uncork()
+            self._corked -= 1
+            if not self._corked and self._out:
+                self._write_held()
 
     def _on_decoded(self, m: Message) -> None:
         self.frames_in += 1
@@ -206,12 +208,14 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def uncork(self) -> None:
         self._corked -= 1
-        if not self._corked:
+        if not self._corked and self._out:
             self._write_held()
 
     def _write_held(self) -> None:
+        if not self._out:
+            return
         out, self._out = self._out, []
-        if out and self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed:
             self.transport.writelines(out)
 
     def send_control(self, type: int, payload: bytes, flags: int = 0) -> None:
