@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._waits import wait_within
-from ..errors import RemoteProtocolError, TransferTimeout
+from ..errors import PeerGone, RemoteProtocolError, TransferTimeout
 from .engine import Engine
 from .main import MainSide, MainState
 from .messages import HandoffMessage, StreamTokens
@@ -81,6 +81,7 @@ class RelayResult:
     gaps: list[int]
     commit_at: int | None
     ready_time: float | None = None  # loop time the relay learned the main decode was ready
+    kept: bool = False  # the main decode failed (gone, silent or too late): the relay finished it
 
 
 @dataclass
@@ -124,12 +125,37 @@ async def _feed(engine: Engine, rid: int, tokens: list[int], pace: Pace) -> torc
     return logits
 
 
-async def _carry_out(node: HandoffNode, outs: list[Output], peer: str | None, client: str) -> None:
-    for o in outs:
-        if isinstance(o, ToClient):
-            await node.send(client, o.message)
-        elif isinstance(o, ToPeer) and peer is not None:
-            await node.send(peer, o.message)
+class _Outbox:
+    """Carries out a state machine's outputs.  A message to the other decode
+    that cannot be sent (``PeerGone``: its connections are gone) is that
+    peer's failure, not ours: the state machine hears of it once through
+    ``on_gone(now)`` and its answer is carried out too; later messages to a
+    lost peer are still tried and dropped if they fail."""
+
+    def __init__(
+        self,
+        node: HandoffNode,
+        peer: str | None,
+        client: str,
+        on_gone: Callable[[float], list[Output]],
+    ) -> None:
+        self.node, self.peer, self.client = node, peer, client
+        self.on_gone = on_gone
+        self.gone = False
+
+    async def __call__(self, outs: list[Output]) -> None:
+        pending = list(outs)
+        while pending:
+            o = pending.pop(0)
+            if isinstance(o, ToClient):
+                await self.node.send(self.client, o.message)
+            elif isinstance(o, ToPeer) and self.peer is not None:
+                try:
+                    await self.node.send(self.peer, o.message)
+                except PeerGone:
+                    if not self.gone:
+                        self.gone = True
+                        pending.extend(self.on_gone(asyncio.get_running_loop().time()))
 
 
 async def _next_message(
@@ -162,6 +188,7 @@ async def run_relay(
     rid = spec.request_id
     inbox = node.open(rid)
     side = RelaySide(rid, spec.params, policy, timeouts)
+    send = _Outbox(node, main, client, side.peer_gone)
     ready_time: float | None = None
     try:
         await wait_within(
@@ -173,7 +200,7 @@ async def run_relay(
         )
         prompt_len = engine.num_tokens(rid)
         side.set_load(load())
-        await _carry_out(node, side.start(spec.first_token, loop.time()), main, client)
+        await send(side.start(spec.first_token, loop.time()))
         logits: torch.Tensor | None = None
 
         async def handle(msg: HandoffMessage) -> None:
@@ -182,12 +209,12 @@ async def run_relay(
             outs = side.on_message(msg, now)
             if ready_time is None and side.main_ready:
                 ready_time = now
-            await _carry_out(node, outs, main, client)
+            await send(outs)
 
         while not side.done:
             while not inbox.empty():
                 await handle(inbox.get_nowait())
-            await _carry_out(node, side.poll(loop.time()), main, client)
+            await send(side.poll(loop.time()))
             if side.want_decode:
                 fed = engine.num_tokens(rid) - prompt_len
                 if fed < len(side.tokens):
@@ -195,7 +222,7 @@ async def run_relay(
                 assert logits is not None
                 side.set_load(load())
                 token = sample(logits, spec.params, side.next_index)
-                await _carry_out(node, side.on_token(token, loop.time()), main, client)
+                await send(side.on_token(token, loop.time()))
             elif not side.done:
                 deadline = side.next_deadline()
                 wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
@@ -206,7 +233,14 @@ async def run_relay(
         node.close(rid)
         engine.free(rid)
     return RelayResult(
-        side.state, side.tokens, side.mode, side.rounds, side.gaps, side.commit_at, ready_time
+        side.state,
+        side.tokens,
+        side.mode,
+        side.rounds,
+        side.gaps,
+        side.commit_at,
+        ready_time,
+        kept=side.kept,
     )
 
 
@@ -232,6 +266,7 @@ async def run_main(
     side = MainSide(
         rid, spec.params, len(spec.prompt), spec.first_token, timeouts, relay=relay is not None
     )
+    send = _Outbox(node, relay, client, side.peer_gone)
     kv: asyncio.Future[Any] = asyncio.ensure_future(load_kv(engine, spec))
     first_emit: float | None = None
     try:
@@ -242,7 +277,7 @@ async def run_main(
                 {kv, get}, timeout=kv_deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
             )
             if get in done:
-                await _carry_out(node, side.on_message(get.result(), loop.time()), relay, client)
+                await send(side.on_message(get.result(), loop.time()))
             else:
                 get.cancel()
             if not done:
@@ -252,31 +287,29 @@ async def run_main(
         if side.done:  # the relay finished or kept the request before the KV landed
             return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
         kv.result()
-        await _carry_out(node, side.on_kv_ready(loop.time()), relay, client)
+        await send(side.on_kv_ready(loop.time()))
         logits: torch.Tensor | None = None
         while not side.done:
             while not inbox.empty():
-                await _carry_out(
-                    node, side.on_message(inbox.get_nowait(), loop.time()), relay, client
-                )
-            await _carry_out(node, side.poll(loop.time()), relay, client)
+                await send(side.on_message(inbox.get_nowait(), loop.time()))
+            await send(side.poll(loop.time()))
             if side.done:
                 break
             pending = side.to_extend
             if pending:
                 logits = await _feed(engine, rid, pending, pace)
-                await _carry_out(node, side.on_extended(len(pending), loop.time()), relay, client)
+                await send(side.on_extended(len(pending), loop.time()))
             elif side.want_token:
                 assert logits is not None
                 token = sample(logits, spec.params, side.next_index)
                 first_emit = loop.time() if first_emit is None else first_emit
-                await _carry_out(node, side.on_token(token, loop.time()), relay, client)
+                await send(side.on_token(token, loop.time()))
             else:
                 deadline = side.next_deadline()
                 wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
                 msg = await _next_message(inbox, wait)
                 if msg is not None:
-                    await _carry_out(node, side.on_message(msg, loop.time()), relay, client)
+                    await send(side.on_message(msg, loop.time()))
     finally:
         if not kv.done():
             kv.cancel()

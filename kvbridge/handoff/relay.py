@@ -62,6 +62,8 @@ class RelaySide:
         self.commit_at: int | None = None
         self.in_flight: Tokens | None = None
         self.retries = 0
+        self.kept = False  # the main decode failed: the relay keeps the request to its end
+        self.peer_lost = False  # a message to the main decode could not be sent
         self._round_deadline: float | None = None
         self._cap_deadline: float | None = None
 
@@ -92,9 +94,10 @@ class RelaySide:
     # ---- events ----------------------------------------------------------------
     def start(self, first_token: int, now: float) -> list[Output]:
         """The prompt KV has landed with the first output token (index 0)."""
-        if self.state is not RelayState.IDLE:
+        if self.state is RelayState.IDLE:
+            self.state = RelayState.DECODING
+        elif self.state is not RelayState.DEGRADED or self.tokens:
             raise InvalidArgument("relay request already started")
-        self.state = RelayState.DECODING
         return self._append(first_token, now)
 
     def on_token(self, token: int, now: float) -> list[Output]:
@@ -142,6 +145,21 @@ class RelaySide:
             and self.state in (RelayState.DECODING, RelayState.CAPPED)
         ):
             return self._hand_over(now)
+        return []
+
+    def peer_gone(self, now: float) -> list[Output]:
+        """A message to the main decode could not be sent: its connections are
+        gone.  That is the main decode's failure, not the relay's: before the
+        switch the relay decodes to the end (DEGRADED) and keeps the request.
+        The DONE(KEPT) it returns is for a main decode that comes back."""
+        self.peer_lost = True
+        if self.state in (
+            RelayState.IDLE,
+            RelayState.DECODING,
+            RelayState.CAPPED,
+            RelayState.COMMITTING,
+        ):
+            return self._degrade()
         return []
 
     def poll(self, now: float) -> list[Output]:
@@ -213,6 +231,7 @@ class RelaySide:
         return [ToPeer(msg)]
 
     def _degrade(self) -> list[Output]:
+        self.kept = True
         self._stop(RelayState.DEGRADED)
         return [ToPeer(Done(self.request_id, DoneReason.KEPT, len(self.tokens)))]
 
