@@ -30,6 +30,7 @@ from .policy import HandoffPolicy, Mode
 from .relay import RelaySide, RelayState
 from .sampling import sample
 from .stream import StreamMerge
+from .worker import EngineWorker
 
 __all__ = [
     "KVLoader",
@@ -114,15 +115,49 @@ def prefill_request(
     return RequestSpec(request_id, tuple(prompt), sample(logits, params, 0), params)
 
 
-async def _feed(engine: Engine, rid: int, tokens: list[int], pace: Pace) -> torch.Tensor:
-    """Feed tokens (a decode step for one, an extend for more); logits after the last."""
-    if len(tokens) == 1:
-        logits = engine.decode({rid: tokens[0]})[rid]
-    else:
-        logits = engine.extend(rid, tokens)[-1]
-    delay = pace.step_s(len(tokens))
-    await asyncio.sleep(delay)
-    return logits
+class _Compute:
+    """The engine's steps for one request: on the event loop (tests, no
+    worker: compute then ``Pace`` as a sleep) or on an :class:`EngineWorker`
+    (batched with other requests, the next token sampled there)."""
+
+    def __init__(
+        self, engine: Engine, worker: EngineWorker | None, pace: Pace, params: SamplingParams
+    ) -> None:
+        self.engine, self.worker, self.pace, self.params = engine, worker, pace, params
+        self.logits: torch.Tensor | None = None
+        self._token: tuple[int, int] | None = None  # (index, token) sampled with the step
+
+    async def feed(self, rid: int, tokens: list[int], next_index: int) -> None:
+        """Feed tokens (a decode step for one, an extend for more)."""
+        if self.worker is not None:
+            res = await self.worker.step(rid, tokens, self.params, next_index)
+            self.logits = res.logits
+            self._token = None if res.token is None else (next_index, res.token)
+            return
+        if len(tokens) == 1:
+            self.logits = self.engine.decode({rid: tokens[0]})[rid]
+        else:
+            self.logits = self.engine.extend(rid, tokens)[-1]
+        self._token = None
+        await asyncio.sleep(self.pace.step_s(len(tokens)))
+
+    def sample(self, index: int) -> int:
+        """Output token ``index`` from the logits after the last feed."""
+        if self._token is not None and self._token[0] == index:
+            return self._token[1]
+        assert self.logits is not None
+        return sample(self.logits, self.params, index)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.worker is not None:
+            return await self.worker.call(fn, *args)
+        return fn(*args)
+
+    async def free(self, rid: int) -> None:
+        try:
+            await self.call(self.engine.free, rid)
+        except PeerGone:  # the worker is closed: the engine is going away with it
+            pass
 
 
 class _Outbox:
@@ -180,9 +215,16 @@ async def run_relay(
     kv_timeout: float = 5.0,
     load: Callable[[], float] = lambda: 0.0,
     pace: Pace | None = None,
+    worker: EngineWorker | None = None,
+    eta: Callable[[], tuple[float, float] | None] | None = None,
 ) -> RelayResult:
-    """The relay decode of one request, from the prompt KV to the switch (or the end)."""
+    """The relay decode of one request, from the prompt KV to the switch (or
+    the end).  ``worker``: run the engine's steps there (batched, off the
+    loop); ``load_kv`` then calls the engine through ``worker.call`` too.
+    ``eta()``: ``(loop time the main decode is expected to be ready, seconds
+    per relay step)`` for the dynamic token budget, or None."""
     pace = pace or Pace()
+    compute = _Compute(engine, worker, pace, spec.params)
     timeouts = timeouts or HandoffTimeouts()
     loop = asyncio.get_running_loop()
     rid = spec.request_id
@@ -198,10 +240,10 @@ async def run_relay(
                 f"request {rid}: prompt KV not on the relay after {kv_timeout} s"
             ),
         )
-        prompt_len = engine.num_tokens(rid)
         side.set_load(load())
+        if eta is not None and (e := eta()) is not None:
+            side.set_eta(*e)
         await send(side.start(spec.first_token, loop.time()))
-        logits: torch.Tensor | None = None
 
         async def handle(msg: HandoffMessage) -> None:
             nonlocal ready_time
@@ -211,17 +253,17 @@ async def run_relay(
                 ready_time = now
             await send(outs)
 
+        fed = 0  # output tokens whose KV is in the engine
         while not side.done:
             while not inbox.empty():
                 await handle(inbox.get_nowait())
             await send(side.poll(loop.time()))
             if side.want_decode:
-                fed = engine.num_tokens(rid) - prompt_len
                 if fed < len(side.tokens):
-                    logits = await _feed(engine, rid, side.tokens[fed:], pace)
-                assert logits is not None
+                    await compute.feed(rid, side.tokens[fed:], side.next_index)
+                    fed = len(side.tokens)
                 side.set_load(load())
-                token = sample(logits, spec.params, side.next_index)
+                token = compute.sample(side.next_index)
                 await send(side.on_token(token, loop.time()))
             elif not side.done:
                 deadline = side.next_deadline()
@@ -231,7 +273,7 @@ async def run_relay(
                     await handle(msg)
     finally:
         node.close(rid)
-        engine.free(rid)
+        await compute.free(rid)
     return RelayResult(
         side.state,
         side.tokens,
@@ -255,10 +297,13 @@ async def run_main(
     timeouts: HandoffTimeouts | None = None,
     kv_timeout: float = 30.0,
     pace: Pace | None = None,
+    worker: EngineWorker | None = None,
 ) -> MainResult:
     """The main decode of one request: wait for the prompt KV, take the relay's
-    tokens, switch, decode to the end.  ``relay=None``: the P-MD pipeline."""
+    tokens, switch, decode to the end.  ``relay=None``: the P-MD pipeline.
+    ``worker``: as for :func:`run_relay`."""
     pace = pace or Pace()
+    compute = _Compute(engine, worker, pace, spec.params)
     timeouts = timeouts or HandoffTimeouts()
     loop = asyncio.get_running_loop()
     rid = spec.request_id
@@ -288,7 +333,6 @@ async def run_main(
             return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
         kv.result()
         await send(side.on_kv_ready(loop.time()))
-        logits: torch.Tensor | None = None
         while not side.done:
             while not inbox.empty():
                 await send(side.on_message(inbox.get_nowait(), loop.time()))
@@ -297,11 +341,10 @@ async def run_main(
                 break
             pending = side.to_extend
             if pending:
-                logits = await _feed(engine, rid, pending, pace)
+                await compute.feed(rid, pending, side.next_index)
                 await send(side.on_extended(len(pending), loop.time()))
             elif side.want_token:
-                assert logits is not None
-                token = sample(logits, spec.params, side.next_index)
+                token = compute.sample(side.next_index)
                 first_emit = loop.time() if first_emit is None else first_emit
                 await send(side.on_token(token, loop.time()))
             else:
@@ -315,7 +358,7 @@ async def run_main(
             kv.cancel()
             await asyncio.gather(kv, return_exceptions=True)
         node.close(rid)
-        engine.free(rid)
+        await compute.free(rid)
     return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
 
 

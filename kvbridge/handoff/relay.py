@@ -62,6 +62,8 @@ class RelaySide:
         self.commit_at: int | None = None
         self.in_flight: Tokens | None = None
         self.retries = 0
+        self.eta: float | None = None  # when the main decode is expected ready
+        self.step_s: float | None = None  # seconds per relay step, for the budget
         self.kept = False  # the main decode failed: the relay keeps the request to its end
         self.peer_lost = False  # a message to the main decode could not be sent
         self._round_deadline: float | None = None
@@ -90,6 +92,22 @@ class RelaySide:
     def set_load(self, load: float) -> None:
         """The relay's live load (0..1), read by the policy."""
         self.load = load
+
+    def set_eta(self, eta: float, step_s: float) -> None:
+        """The main decode is expected ready at ``eta`` (same clock as ``now``)
+        and the relay makes a token every ``step_s``: the budget covers that
+        wait (:meth:`HandoffPolicy.dynamic_budget`), and at the cap the relay
+        waits for READY until ``capped_wait`` past ``eta``."""
+        if not step_s > 0:
+            raise InvalidArgument(f"step_s must be positive, got {step_s}")
+        self.eta, self.step_s = eta, step_s
+
+    def budget(self, now: float) -> int:
+        """The token budget now (live load, expected wait)."""
+        if self.eta is None or self.step_s is None:
+            return self.policy.budget(self.load)
+        wait = (self.eta - now) / self.step_s + len(self.tokens)
+        return self.policy.dynamic_budget(self.load, wait)
 
     # ---- events ----------------------------------------------------------------
     def start(self, first_token: int, now: float) -> list[Output]:
@@ -196,12 +214,13 @@ class RelaySide:
             self._stop(RelayState.FINISHED)
             out.append(ToPeer(Done(self.request_id, DoneReason.FINISHED, len(self.tokens))))
             return out
-        if self.state is RelayState.DECODING and len(self.tokens) >= self.policy.budget(self.load):
+        if self.state is RelayState.DECODING and len(self.tokens) >= self.budget(now):
             self.state = RelayState.CAPPED
             if self.main_ready and self.in_flight is None:
                 out += self._hand_over(now)
             elif not self.main_ready:
-                self._cap_deadline = now + self.timeouts.capped_wait
+                start = now if self.eta is None else max(now, self.eta)
+                self._cap_deadline = start + self.timeouts.capped_wait
         return out
 
     def _hand_over(self, now: float) -> list[Output]:
