@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -142,7 +143,7 @@ class ReferenceDecoder:
         # An engine with a prefix cache shares one allocator with it
         # (kvbridge.cache.RadixCache); anything with alloc(n) / free(pages).
         self.num_pages = num_pages
-        self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
+        self.allocator: Any = allocator if allocator is not None else PageAllocator(num_pages)
         self.kv_cache: list[torch.Tensor] = [
             torch.zeros(
                 layout.layer_shape(num_pages), dtype=_TORCH_DTYPES[layout.dtype], device=self.device
@@ -263,6 +264,16 @@ class ReferenceDecoder:
         req.block_table.extend(int(p) for p in block_table)
         req.external = len(req.block_table)
         req.tokens.extend(int(t) for t in token_ids)
+
+    def give_pages(self, request_id: int, n_pages: int) -> None:
+        """The request's first ``n_pages`` pages now belong to the caller (a
+        prefix cache adopted them): :meth:`free` leaves them alone."""
+        req = self._req(request_id)
+        if not 0 <= n_pages <= len(req.block_table):
+            raise InvalidArgument(
+                f"request {request_id} has {len(req.block_table)} pages, not {n_pages}"
+            )
+        req.external = max(req.external, n_pages)
 
     def has_request(self, request_id: int) -> bool:
         return request_id in self._requests
