@@ -53,6 +53,7 @@ class Reason(str, enum.Enum):
     EXCEEDS_TARGET = "wan-exceeds-target"  # P-RLD-MD: the relay masks the transfer
     ANOMALOUS = "anomalous-filter"  # P-RLD: long input, short output, share left
     FILTER_SHARE_SPENT = "filter-share-spent"  # would be filtered, but the share is used up
+    SMALL_GAIN = "relay-gain-too-small"  # P-MD: the WAN part is below min_relay_gain_s
 
 
 class BandwidthEstimator:
@@ -148,6 +149,9 @@ class PrefillEstimator:
 class RouterConfig:
     ttft_target_s: float = 2.0
     base_latency_s: float = 0.05  # WAN round trip + handshake, added to every estimate
+    # P-MD whatever the target when the WAN part is this short: the relay would
+    # hide too little to be worth a handoff (0: the target alone decides)
+    min_relay_gain_s: float = 0.0
     anomalous_filter: bool = False
     anomalous_min_input_tokens: int = 32768
     anomalous_max_output_tokens: int = 500  # expected output strictly below this
@@ -155,8 +159,10 @@ class RouterConfig:
     share_window: int = 1000
 
     def __post_init__(self) -> None:
-        if not self.ttft_target_s > 0 or self.base_latency_s < 0:
-            raise InvalidArgument("ttft_target_s must be > 0 and base_latency_s >= 0")
+        if not self.ttft_target_s > 0 or self.base_latency_s < 0 or self.min_relay_gain_s < 0:
+            raise InvalidArgument(
+                "ttft_target_s must be > 0, base_latency_s and min_relay_gain_s >= 0"
+            )
         if not 0 <= self.anomalous_max_share <= 1 or self.share_window < 1:
             raise InvalidArgument("anomalous_max_share in [0, 1] and share_window >= 1")
 
@@ -245,6 +251,8 @@ class Router:
         wan_s = cfg.base_latency_s + queue_s + nbytes / bw
         if prefill_s + wan_s <= cfg.ttft_target_s:
             pipeline, reason = Pipeline.P_MD, Reason.FITS_TARGET
+        elif wan_s < cfg.min_relay_gain_s:
+            pipeline, reason = Pipeline.P_MD, Reason.SMALL_GAIN
         elif (
             cfg.anomalous_filter
             and input_tokens >= cfg.anomalous_min_input_tokens

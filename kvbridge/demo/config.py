@@ -15,6 +15,7 @@ from ..sim.trace import AgentTraceConfig
 
 __all__ = ["PAPER", "DemoConfig"]
 
+
 # The paper's scenario (docs/../pdd-brief): 64K-token prompts at ~90% prefix hit,
 # 1K output tokens, ~50 KB of KV per token, a 10-100 Gbit/s line between the
 # datacenters.  The decode step on the paper's decode chips is not given: 20 ms
@@ -60,7 +61,7 @@ class DemoConfig:
     md_pages: int = 1024
     # ---- the WAN between datacenters ----------------------------------------------------
     wan_mode: str = "auto"  # "netns" (packet-level), "proxy", or "auto"
-    wan_rate_bps: float = 300e6
+    wan_rate_bps: float = 200e6
     wan_rtt_ms: float = 40.0
     wan_loss: float = 0.0
     wan_streams: int = 4
@@ -79,10 +80,11 @@ class DemoConfig:
     relay_step_prior_s: float = 0.08
     # ---- the router ---------------------------------------------------------------------
     ttft_target_s: float = 0.5
+    min_relay_gain_s: float = 0.12  # P-MD when the WAN part is shorter (small KV)
     anomalous_filter: bool = True
-    anomalous_min_input_tokens: int = 1400
+    anomalous_min_input_tokens: int = 800
     anomalous_max_output_tokens: int = 12
-    anomalous_max_share: float = 0.05
+    anomalous_max_share: float = 0.08
     # ---- sampling -----------------------------------------------------------------------
     temperature: float = 0.7
     top_k: int = 40
@@ -93,14 +95,14 @@ class DemoConfig:
     turns: int = 3  # turns per session at most
     session_gap_s: float = 0.8  # mean gap between session starts (exponential)
     tool_s: float = 0.5  # mean tool time between an answer and the next turn
-    max_prompt_tokens: int = 1536
-    system_tokens: tuple[int, int] = (640, 900)
-    first_user_tokens: tuple[int, int] = (24, 64)
-    tool_median_tokens: int = 24
+    max_prompt_tokens: int = 1024
+    system_tokens: tuple[int, int] = (384, 512)
+    first_user_tokens: tuple[int, int] = (16, 48)
+    tool_median_tokens: int = 16
     big_tool_prob: float = 0.1
-    big_tool_tokens: tuple[int, int] = (160, 320)
+    big_tool_tokens: tuple[int, int] = (96, 192)
     output_median_tokens: int = 24
-    output_tokens: tuple[int, int] = (8, 40)
+    output_tokens: tuple[int, int] = (8, 48)
     ttft_sla_s: float = 1.0
     request_timeout_s: float = 60.0
     pipelines: list[str] = field(default_factory=lambda: ["baseline", "same_dc", "radix", "pdd"])

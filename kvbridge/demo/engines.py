@@ -25,11 +25,13 @@ from .config import DemoConfig
 
 __all__ = [
     "CachePages",
+    "LockedPages",
     "Prefilled",
     "PrefixPrefill",
     "make_engine",
     "reference_streams",
     "sample_margin",
+    "verify_streams",
 ]
 
 _WEIGHTS: dict[str, Any] = {}
@@ -66,6 +68,24 @@ class CachePages:
     def alloc(self, n: int) -> list[int]:
         with self.lock:
             return list(self.radix.allocate(n))
+
+    def free(self, pages: Sequence[int]) -> None:
+        with self.lock:
+            self.allocator.free(list(pages))
+
+
+class LockedPages:
+    """A page allocator that the event loop and the engine's worker thread
+    may both call (the loop does an engine's bookkeeping: allocate, adopt,
+    append_cached; the worker grows requests as they decode)."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.lock = threading.Lock()
+
+    def alloc(self, n: int) -> list[int]:
+        with self.lock:
+            return self.allocator.alloc(n)
 
     def free(self, pages: Sequence[int]) -> None:
         with self.lock:
@@ -126,6 +146,24 @@ class PrefixPrefill:
             raise
         eng.give_pages(rid, len(prompt) // pt)  # the cache owns the full pages now
         return Prefilled(first, bt, use, len(prompt) - use, secs, ins, logits)
+
+    def warm(self, prompts: Sequence[Sequence[int]]) -> list[Pin]:
+        """Compute ``prompts`` (the system prompts a long-running prefill has
+        seen before) into the cache and keep them there: returns their pins."""
+        pins: list[Pin] = []
+        for i, prompt in enumerate(prompts):
+            done = self.prefill(-(i + 1) * 7919, prompt, None)
+            ins = done.insert
+            if ins is not None and ins.pages:
+                with self.lock:
+                    pins.append(self.radix.pin(self.radix.lookup(list(prompt))))
+            self.release(-(i + 1) * 7919, done)
+        return pins
+
+    def forget(self, pins: Sequence[Pin]) -> None:
+        """Everything cached goes, except what ``pins`` hold."""
+        with self.lock:
+            self.radix.evict(self.radix.cached_pages)
 
     def release(self, rid: int, done: Prefilled) -> None:
         """The KV has been sent: unpin the cached pages, free the rest."""
@@ -199,4 +237,51 @@ def reference_streams(
         for r, (toks, margins, _, done) in live.items():
             pre.release(r, done)
             out[r] = (toks, margins)
+    return out
+
+
+def _scores(logits: torch.Tensor, params: SamplingParams, index: int) -> torch.Tensor:
+    """The scores whose argmax :func:`sample` takes (see :func:`sample_margin`)."""
+    x = logits.detach().to("cpu", torch.float64)
+    if params.greedy:
+        return x
+    x = x / params.temperature
+    if params.top_k and params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, -math.inf)
+    g = torch.Generator(device="cpu").manual_seed(index_seed(params.seed, index))
+    u = torch.rand(x.numel(), generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
+    return x - torch.log(-torch.log(u))
+
+
+def verify_streams(
+    cfg: DemoConfig,
+    items: Sequence[tuple[int, Sequence[int], SamplingParams, Sequence[int]]],
+) -> dict[int, float]:
+    """For each ``(rid, prompt, params, output)``, teacher-force ``output``
+    through the reference engine and return the largest deficit of an output
+    token's score against the best score at its position (0: every token is
+    what the reference samples given the same prefix).  A stream that took
+    another token at a near tie (floating-point rounding of two different
+    computations) has a small deficit there and 0 elsewhere; wrong KV or a
+    lost or repeated token gives large deficits."""
+    lay = cfg.p_layout()
+    longest = max((len(p) + len(o) for _, p, _, o in items), default=1)
+    pages = lay.pages_for(longest) + 2
+    eng = make_engine(cfg, lay, pages)
+    out: dict[int, float] = {}
+    for rid, prompt, params, output in items:
+        eng.allocate(rid)
+        try:
+            logits = eng.forward({rid: list(prompt)}, last_only=True)[rid]
+            rows = [logits[-1]]
+            if len(output) > 1:
+                rows += list(eng.forward({rid: list(output[:-1])})[rid])
+            worst = 0.0
+            for i, (row, tok) in enumerate(zip(rows, output, strict=False)):
+                sc = _scores(row, params, i)
+                worst = max(worst, float(sc.max() - sc[int(tok)]))
+            out[rid] = worst
+        finally:
+            eng.free(rid)
     return out

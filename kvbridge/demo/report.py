@@ -278,8 +278,8 @@ def format_tables(aggs: list[Aggregate], titles: dict[str, str]) -> str:
         seeds = len(rows[0].runs) if rows else 0
         out.append(f"load {load:g}x (mean over {seeds} seeds [min-max]; times in ms)")
         head = (
-            f"{'pipeline':<30}{'TTFT p50':>17}{'TTFT p90':>17}{'TTFT p99':>17}"
-            f"{'in SLA %':>19}{'WAN MiB':>9}{'relay %':>17}{'MD hit %':>10}{'P hit %':>9}"
+            f"{'pipeline':<30}{'TTFT p50':>19}{'TTFT p90':>19}{'TTFT p99':>19}"
+            f"{'in SLA %':>20}{'WAN MiB':>9}{'relay %':>17}{'MD hit %':>10}{'P hit %':>9}"
             f"{'switch gap':>12}  checks"
         )
         out.append(head)
@@ -293,8 +293,8 @@ def format_tables(aggs: list[Aggregate], titles: dict[str, str]) -> str:
             if a.total("requests") != a.total("completed"):
                 checks += f" {a.total('requests') - a.total('completed')} FAILED"
             out.append(
-                f"{titles.get(a.name, a.name):<30}{_ms3(a, 'ttft_p50'):>17}"
-                f"{_ms3(a, 'ttft_p90'):>17}{_ms3(a, 'ttft_p99'):>17}{_pct3(a, 'within_sla'):>19}"
+                f"{titles.get(a.name, a.name):<30}{_ms3(a, 'ttft_p50'):>19}"
+                f"{_ms3(a, 'ttft_p90'):>19}{_ms3(a, 'ttft_p99'):>19}{_pct3(a, 'within_sla'):>20}"
                 f"{wan:>9.1f}{_pct3(a, 'relay_share'):>17}{100 * a.stat('md_hit')[0]:>10.1f}"
                 f"{100 * a.stat('p_hit')[0]:>9.1f}"
                 f"{('-' if not math.isfinite(sg) else f'{sg * 1e3:.0f}'):>12}  {checks}"

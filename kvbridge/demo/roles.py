@@ -66,7 +66,7 @@ from ..router import BandwidthEstimator, Pipeline, PrefillEstimator, Router, Rou
 from ..transport.tcp.sender import TcpSender
 from .config import DemoConfig
 from .control import ControlClient, ControlServer
-from .engines import CachePages, Prefilled, PrefixPrefill, make_engine
+from .engines import CachePages, LockedPages, Prefilled, PrefixPrefill, make_engine
 
 log = logging.getLogger("kvbridge.demo")
 
@@ -330,8 +330,10 @@ class MainDecode(_Role):
                 comp = await asyncio.wait_for(comp_fut, cfg.request_timeout_s)
                 stats["dedupe_wait_s"] = time.monotonic() - t0
                 completion.append(comp)
-                await w.call(self.engine.allocate, rid)
-                await w.call(self.engine.adopt, rid, list(spec.prompt), list(comp.block_table))
+                # bookkeeping of this request only (the page source is locked): done
+                # here, so that it never waits behind a forward pass on the worker
+                self.engine.allocate(rid)
+                self.engine.adopt(rid, list(spec.prompt), list(comp.block_table))
                 stats["kv_ready_t"] = time.monotonic()
 
             res = await run_main(
@@ -386,7 +388,9 @@ class RelayDecode(_Role):
     async def setup(self) -> None:
         cfg = self.cfg
         self.layout = cfg.p_layout()
-        self.engine = make_engine(cfg, self.layout, cfg.rld_pages)
+        self.engine = make_engine(
+            cfg, self.layout, cfg.rld_pages, LockedPages(PageAllocator(cfg.rld_pages))
+        )
         self.worker = EngineWorker(self.engine, name="rld")
         ucx = cfg.rld_transport == "ucx"
         self.bridge = DecodeBridge(
@@ -433,10 +437,10 @@ class RelayDecode(_Role):
         "serve" (the whole request here: the same-datacenter baseline, P-RLD)."""
         rid = int(msg["rid"])
         prompt = [int(t) for t in msg["prompt"]]
-        w = self.worker
-        assert w is not None
-        await w.call(self.engine.allocate, rid)
-        bt = await w.call(self.engine.append_cached, rid, prompt)
+        # bookkeeping of this request only (the page source is locked): no wait
+        # behind a forward pass
+        self.engine.allocate(rid)
+        bt = self.engine.append_cached(rid, prompt)
         exp = self.bridge.expect(
             rid, bt, 0, len(prompt), via=self.cfg.rld_transport, timeout=self.cfg.request_timeout_s
         )
@@ -551,6 +555,7 @@ class Prefill(_Role):
             RouterConfig(
                 ttft_target_s=cfg.ttft_target_s,
                 base_latency_s=cfg.wan_rtt_ms / 1e3,
+                min_relay_gain_s=cfg.min_relay_gain_s,
                 anomalous_filter=cfg.anomalous_filter,
                 anomalous_min_input_tokens=cfg.anomalous_min_input_tokens,
                 anomalous_max_output_tokens=cfg.anomalous_max_output_tokens,
@@ -565,6 +570,7 @@ class Prefill(_Role):
         self.queued_requests = 0
         self.pipeline = "pdd"
         self.prompts: dict[int, tuple[list[int], float]] = {}  # for PREFIX_FETCH
+        self.warm_pins: list[Any] = []
 
     async def teardown(self) -> None:
         if self.rld is not None:
@@ -599,19 +605,24 @@ class Prefill(_Role):
         await self.rld.connect()
         return {}
 
-    async def op_configure(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """The pipeline of the next replay, with a fresh (empty) prefix cache."""
-        self.pipeline = msg["pipeline"]
-
-        def fresh() -> None:
-            with self.lock:
-                self.allocator = PageAllocator(self.cfg.p_pages)
-                self.radix = RadixCache(self.cfg.p_page_tokens, allocator=self.allocator)
-                self.engine.allocator = CachePages(self.radix, self.allocator, self.lock)
-                self.prefix.radix = self.radix
-
+    async def op_warm(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Keep these prompts (the system prompts a long-running prefill has
+        computed before) in the prefix cache across replays; the previous
+        ones go."""
+        prompts = [[int(t) for t in p] for p in msg["prompts"]]
         assert self.worker is not None
-        await self.worker.call(fresh)
+        with self.lock:
+            for pin in self.warm_pins:
+                self.radix.release(pin)
+        self.warm_pins = await self.worker.call(self.prefix.warm, prompts)
+        return {"tokens": sum(len(p) for p in prompts)}
+
+    async def op_configure(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The pipeline of the next replay; the prefix cache keeps only the
+        warm prompts."""
+        self.pipeline = msg["pipeline"]
+        assert self.worker is not None
+        await self.worker.call(self.prefix.forget, self.warm_pins)
         self.prompts.clear()
         return {}
 
@@ -659,7 +670,7 @@ class Prefill(_Role):
         w = self.worker
         assert w is not None and self.rld is not None
         t_arrive = time.monotonic()
-        pipeline = self.pipeline
+        pipeline = str(msg.get("pipeline") or self.pipeline)
         compute_est = n - self.prefix.cached_tokens(prompt)
         # 1. prefix negotiation with the main decode (one WAN round trip)
         reply: PrefixReply | None = None
