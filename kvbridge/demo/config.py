@@ -80,7 +80,7 @@ class DemoConfig:
     relay_step_prior_s: float = 0.08
     # ---- the router ---------------------------------------------------------------------
     ttft_target_s: float = 0.5
-    min_relay_gain_s: float = 0.12  # P-MD when the WAN part is shorter (small KV)
+    min_relay_gain_s: float = 0.15  # P-MD when the WAN part is shorter (small KV)
     anomalous_filter: bool = True
     anomalous_min_input_tokens: int = 800
     anomalous_max_output_tokens: int = 12
@@ -91,7 +91,7 @@ class DemoConfig:
     # ---- the scenario (closed-loop agent sessions) --------------------------------------
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     loads: list[float] = field(default_factory=lambda: [1.0, 1.5])
-    sessions: int = 5
+    sessions: int = 4
     turns: int = 3  # turns per session at most
     session_gap_s: float = 0.8  # mean gap between session starts (exponential)
     tool_s: float = 0.5  # mean tool time between an answer and the next turn
@@ -101,8 +101,8 @@ class DemoConfig:
     tool_median_tokens: int = 16
     big_tool_prob: float = 0.1
     big_tool_tokens: tuple[int, int] = (96, 192)
-    output_median_tokens: int = 24
-    output_tokens: tuple[int, int] = (8, 48)
+    output_median_tokens: int = 20
+    output_tokens: tuple[int, int] = (8, 40)
     ttft_sla_s: float = 1.0
     request_timeout_s: float = 60.0
     pipelines: list[str] = field(default_factory=lambda: ["baseline", "same_dc", "radix", "pdd"])

@@ -562,7 +562,8 @@ class Prefill(_Role):
                 anomalous_max_share=cfg.anomalous_max_share,
                 share_window=100,
             ),
-            BandwidthEstimator(prior_bps=cfg.wan_rate_bps / 8 * 0.8, min_bytes=1 << 16),
+            # transfers under 1 MiB are mostly latency: they would read as a slow line
+            BandwidthEstimator(prior_bps=cfg.wan_rate_bps / 8 * 0.9, min_bytes=1 << 20),
             PrefillEstimator(prior_token_s=0.003, prior_base_s=0.03),
         )
         self.md_inflight = 0
