@@ -42,6 +42,7 @@ from .report import (
     RequestRecord,
     aggregate,
     format_tables,
+    percentile,
     summarize,
     write_outputs,
 )
@@ -458,12 +459,12 @@ async def run_demo(
         log(f"roles up after {time.monotonic() - t_start:.0f} s: main decode {md_info['layout']}")
         # the pipelines take turns going first (seed by seed), so that a slow
         # start or a drift of the machine does not favour one of them
-        plan = []
+        plan: list[tuple[int, float, str]] = []
         for si, seed in enumerate(cfg.seeds):
             for li, load in enumerate(cfg.loads):
                 names = list(cfg.pipelines if li == 0 else cfg.high_load_pipelines)
-                r = si % len(names)
-                plan += [(seed, load, name) for name in names[r:] + names[:r]]
+                rot = si % len(names)
+                plan += [(seed, load, name) for name in names[rot:] + names[:rot]]
         bar = _bar(len(plan), "replays", progress)
         warm_seed: int | None = None
         for k, (seed, load, name) in enumerate(plan):
@@ -524,19 +525,18 @@ async def run_demo(
                 os.unlink(path)
     # streams that differ from the reference: teacher-forced through it (no
     # role runs any more, so this takes the whole machine)
-    by_seed = {k: {t.index: t for s in ss for t in s.turns} for k, ss in seeds.items()}
-    todo = [(r, k) for k, recs in records.items() for r in recs if r.check == "verify"]
+    by_seed = {sd: {t.index: t for ss_ in ss for t in ss_.turns} for sd, ss in seeds.items()}
+    todo = [(rec, key) for key, recs in records.items() for rec in recs if rec.check == "verify"]
     if todo:
-        seed_of = {k: int(k.rsplit("seed", 1)[1]) for _, k in todo}
         items = []
-        for r, k in todo:
-            t = by_seed[seed_of[k]][r.request_id % 100000]
-            items.append((r.request_id, t.prompt, t.params, r.tokens))
+        for rec, key in todo:
+            t = by_seed[int(key.rsplit("seed", 1)[1])][rec.request_id % 100000]
+            items.append((rec.request_id, t.prompt, t.params, rec.tokens))
         deficits = verify_streams(cfg, items)
-        for r, _ in todo:
-            d = deficits[r.request_id]
-            r.detail.setdefault("check", {})["deficit"] = d
-            r.check = "near-tie" if d <= cfg_tie(cfg) else "WRONG"
+        for rec, _ in todo:
+            d = deficits[rec.request_id]
+            rec.detail.setdefault("check", {})["deficit"] = d
+            rec.check = "near-tie" if d <= cfg_tie(cfg) else "WRONG"
         summaries = [_resummarize(cfg, s, records) for s in summaries]
     aggs = aggregate(summaries)
     result = DemoResult(cfg, mode, note, summaries, aggs, records)
@@ -648,10 +648,20 @@ def report_lines(
                 if f"wan_saving_{n}{t}" in ratios
             )
         )
+        puts = [
+            r.detail["rld"]["kv_t"] - r.prefill_end_t
+            for k, recs in result.records.items()
+            if k.startswith("pdd@") and f"@{load:g}x/" in k
+            for r in recs
+            if r.relayed and r.prefill_end_t is not None and "kv_t" in r.detail.get("rld", {})
+        ]
         out.append(
             f"  relay's first token after its prefill ended: p50 "
             f"{1e3 * ratios.get(f'relay_first_p50_s{t}', math.nan):.0f} ms, max "
-            f"{1e3 * ratios.get(f'relay_first_max_s{t}', math.nan):.0f} ms"
+            f"{1e3 * ratios.get(f'relay_first_max_s{t}', math.nan):.0f} ms (of which the "
+            f"prompt KV's put to the relay: p50 {1e3 * percentile(puts, 50):.0f} ms, max "
+            f"{1e3 * max(puts, default=math.nan):.0f} ms; the relay's next token follows "
+            f"one decode step later)"
         )
     out += _one_stream(result, tokenizer)
     return out

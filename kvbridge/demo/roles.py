@@ -692,6 +692,8 @@ class Prefill(_Role):
             if rep.status is not ReplyStatus.OK:
                 raise RemoteProtocolError(f"request {rid}: main decode refused: {rep.status}")
             reply = rep
+            # FETCH: kept while the lease lasts, for a PREFIX_FETCH of this request
+            self.prompts[rid] = (prompt, time.monotonic() + rep.lease_ms / 1e3)
         matched = reply.matched_tokens if reply is not None else 0
         # 2. the router: P-MD, P-RLD-MD, or (anomalous filter) P-RLD
         eta_s = 0.0
@@ -768,8 +770,6 @@ class Prefill(_Role):
                 r = await prep
                 tickets["rld"] = bytes.fromhex(r["ticket"])
                 await self.rld.call("start", rid=rid, first=first, eta_s=eta_s)
-            if to_md and route != Pipeline.P_RLD.value:
-                self.prompts[rid] = (prompt, time.monotonic() + 120.0)
             md_bytes = self.layout.wire_nbytes(n - matched) if "md" in tickets else 0
             self.md_inflight += md_bytes
             try:
