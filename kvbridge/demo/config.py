@@ -61,7 +61,7 @@ class DemoConfig:
     md_pages: int = 1024
     # ---- the WAN between datacenters ----------------------------------------------------
     wan_mode: str = "auto"  # "netns" (packet-level), "proxy", or "auto"
-    wan_rate_bps: float = 200e6
+    wan_rate_bps: float = 300e6
     wan_rtt_ms: float = 40.0
     wan_loss: float = 0.0
     wan_streams: int = 4
@@ -80,9 +80,9 @@ class DemoConfig:
     relay_step_prior_s: float = 0.08
     # ---- the router ---------------------------------------------------------------------
     ttft_target_s: float = 0.5
-    min_relay_gain_s: float = 0.15  # P-MD when the WAN part is shorter (small KV)
+    min_relay_gain_s: float = 0.1  # P-MD when the WAN part is shorter (small KV)
     anomalous_filter: bool = True
-    anomalous_min_input_tokens: int = 800
+    anomalous_min_input_tokens: int = 1100
     anomalous_max_output_tokens: int = 12
     anomalous_max_share: float = 0.08
     # ---- sampling -----------------------------------------------------------------------
@@ -95,8 +95,8 @@ class DemoConfig:
     turns: int = 3  # turns per session at most
     session_gap_s: float = 0.8  # mean gap between session starts (exponential)
     tool_s: float = 0.5  # mean tool time between an answer and the next turn
-    max_prompt_tokens: int = 1024
-    system_tokens: tuple[int, int] = (384, 512)
+    max_prompt_tokens: int = 1536
+    system_tokens: tuple[int, int] = (704, 960)
     first_user_tokens: tuple[int, int] = (16, 48)
     tool_median_tokens: int = 16
     big_tool_prob: float = 0.1
@@ -195,6 +195,8 @@ class DemoConfig:
             output_tokens=(8, 16),
             output_median_tokens=12,
             anomalous_min_input_tokens=600,
+            min_relay_gain_s=0.0,
+            ttft_target_s=0.02,  # every request is relayed: the handoff runs
             wan_rate_bps=80e6,
             p_pages=512,
             rld_pages=512,

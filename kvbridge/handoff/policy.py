@@ -40,7 +40,10 @@ class HandoffPolicy:
     relay's output cap below ``busy_load``; it shrinks linearly to
     ``min_budget`` at load 1.  ``force``: always use this mode.
     ``eta_headroom``, ``eta_min_extra``: the dynamic budget's margin over the
-    expected wait for the main decode (:meth:`dynamic_budget`)."""
+    expected wait for the main decode (:meth:`dynamic_budget`).
+    ``leave_last``: the budget never reaches the request's last token, so a
+    request ends on the main decode unless the main decode fails (the
+    pipeline P-RLD is excluded); False lets a fast relay finish it."""
 
     threshold: int = 64
     max_rounds: int = 4
@@ -50,6 +53,7 @@ class HandoffPolicy:
     force: Mode | None = None
     eta_headroom: float = 0.5
     eta_min_extra: int = 4
+    leave_last: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or self.max_rounds < 0:

@@ -103,11 +103,17 @@ class RelaySide:
         self.eta, self.step_s = eta, step_s
 
     def budget(self, now: float) -> int:
-        """The token budget now (live load, expected wait)."""
+        """The token budget now (live load, expected wait); below the last
+        token with ``policy.leave_last``: only a failed main decode lets the
+        relay finish a request."""
         if self.eta is None or self.step_s is None:
-            return self.policy.budget(self.load)
-        wait = (self.eta - now) / self.step_s + len(self.tokens)
-        return self.policy.dynamic_budget(self.load, wait)
+            b = self.policy.budget(self.load)
+        else:
+            wait = (self.eta - now) / self.step_s + len(self.tokens)
+            b = self.policy.dynamic_budget(self.load, wait)
+        if self.policy.leave_last and self.params.max_new_tokens > 1:
+            b = min(b, self.params.max_new_tokens - 1)
+        return b
 
     # ---- events ----------------------------------------------------------------
     def start(self, first_token: int, now: float) -> list[Output]:
