@@ -82,8 +82,8 @@ class DemoConfig:
     ttft_target_s: float = 0.5
     min_relay_gain_s: float = 0.1  # P-MD when the WAN part is shorter (small KV)
     anomalous_filter: bool = True
-    anomalous_min_input_tokens: int = 1100
-    anomalous_max_output_tokens: int = 12
+    anomalous_min_input_tokens: int = 1000
+    anomalous_max_output_tokens: int = 14
     anomalous_max_share: float = 0.08
     # ---- sampling -----------------------------------------------------------------------
     temperature: float = 0.7
