@@ -51,7 +51,13 @@ from ..cache.prefix_messages import (
     encode_prefix_message,
 )
 from ..cache.radix import RadixCache
-from ..errors import KVBridgeError, RemoteProtocolError, ResourceLimit, TransferTimeout
+from ..errors import (
+    Cancelled,
+    KVBridgeError,
+    RemoteProtocolError,
+    ResourceLimit,
+    TransferTimeout,
+)
 from ..handoff.channel import RoutedChannel
 from ..handoff.driver import RequestSpec, run_main, run_relay
 from ..handoff.engine import Engine
@@ -252,7 +258,9 @@ class MainDecode(_Role):
                 gone = self.negotiator.handle_cancel(msg)
                 prog = self.negotiator.take_progress()
             if gone is not None:
-                err = RemoteProtocolError(f"request {msg.request_id}: the prefill cancelled")
+                err = Cancelled(
+                    f"request {msg.request_id}: the prefill cancelled ({msg.reason.name})"
+                )
                 self._fail_lease(gone.lease_id, err)
                 start = self._start_future(msg.request_id)
                 if not start.done():
@@ -349,6 +357,8 @@ class MainDecode(_Role):
             )
             stats.update(took_over=res.took_over, switch_at=res.switch_at, state=res.state.name)
             stats["first_emit_t"] = res.first_emit_time
+        except Cancelled as e:  # rerouted (P-RLD) or cancelled: not a failure here
+            stats["cancelled"] = str(e)
         except Exception as e:  # reported to the driver, never swallowed
             stats["error"] = f"{type(e).__name__}: {e}"
             log.warning("main decode, request %s: %s", rid, e)
