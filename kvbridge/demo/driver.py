@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import Unavailable
 from ..handoff.messages import Source, StreamTokens, decode
 from ..handoff.params import SamplingParams
 from ..handoff.stream import StreamMerge
@@ -356,7 +357,7 @@ def _wan_mode(cfg: DemoConfig) -> tuple[str, str]:
 
     ok, reason = WanEmulator.available()
     if cfg.wan_mode == "netns" and not ok:
-        raise RuntimeError(f"packet-level WAN emulator unavailable: {reason}")
+        raise Unavailable(f"packet-level WAN emulator unavailable: {reason}")
     if cfg.wan_mode == "proxy" or (cfg.wan_mode == "auto" and not ok):
         note = "proxy mode (TCP-terminating; less faithful)"
         if not ok:
