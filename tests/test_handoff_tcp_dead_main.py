@@ -299,3 +299,16 @@ def test_main_decode_takes_over_when_the_relay_is_gone() -> None:
         await rx.close()
 
     arun(main(), timeout=30.0)
+
+
+def test_a_relay_that_took_the_main_decode_for_failed_does_not_keep_a_switched_request() -> None:
+    from kvbridge.handoff import RelaySide, RelayState
+    from kvbridge.handoff.messages import Ack, Ready
+
+    r = RelaySide(1, SamplingParams(0.0, max_new_tokens=10), HandoffPolicy(force=Mode.ONE_SHOT))
+    r.start(5, 0.0)
+    r.on_message(Ready(1, 3, 1), 0.0)
+    r.peer_gone(0.1)  # a failed send: degraded, it would keep the request
+    assert r.kept and r.state is RelayState.DEGRADED
+    r.on_message(Ack(1, 1, True, 1), 0.2)  # the main decode switched after all
+    assert r.state is RelayState.SWITCHED and not r.kept

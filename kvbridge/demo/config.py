@@ -78,6 +78,11 @@ class DemoConfig:
     # time before it takes the main decode for failed (the only way it finishes one)
     relay_fail_after_s: float = 15.0
     relay_step_prior_s: float = 0.08
+    # the handoff's waits: a main decode whose extend waits behind other
+    # requests' passes is slow, not dead (ack_timeout * (retries + 1) < relay_timeout)
+    handoff_ack_timeout_s: float = 1.0
+    handoff_max_retries: int = 4
+    handoff_relay_timeout_s: float = 6.0
     # ---- the router ---------------------------------------------------------------------
     ttft_target_s: float = 0.5
     min_relay_gain_s: float = 0.1  # P-MD when the WAN part is shorter (small KV)

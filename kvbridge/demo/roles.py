@@ -95,6 +95,15 @@ def params_to(p: SamplingParams) -> dict[str, Any]:
     }
 
 
+def handoff_timeouts(cfg: DemoConfig) -> HandoffTimeouts:
+    return HandoffTimeouts(
+        ack_timeout=cfg.handoff_ack_timeout_s,
+        max_retries=cfg.handoff_max_retries,
+        capped_wait=cfg.relay_fail_after_s,
+        relay_timeout=cfg.handoff_relay_timeout_s,
+    )
+
+
 class _Role:
     """Common plumbing: the control socket, the client route, the engine worker."""
 
@@ -351,7 +360,7 @@ class MainDecode(_Role):
                 load_kv,
                 relay="rld" if start.relayed else None,
                 client="client",
-                timeouts=HandoffTimeouts(),
+                timeouts=handoff_timeouts(cfg),
                 kv_timeout=cfg.request_timeout_s,
                 worker=w,
             )
@@ -515,7 +524,7 @@ class RelayDecode(_Role):
                 main="md",
                 client="client",
                 policy=policy,
-                timeouts=HandoffTimeouts(capped_wait=cfg.relay_fail_after_s),
+                timeouts=handoff_timeouts(cfg),
                 kv_timeout=cfg.request_timeout_s,
                 load=lambda: min(1.0, self.active / cfg.relay_capacity),
                 worker=w,

@@ -64,7 +64,9 @@ class RelaySide:
         self.retries = 0
         self.eta: float | None = None  # when the main decode is expected ready
         self.step_s: float | None = None  # seconds per relay step, for the budget
-        self.kept = False  # the main decode failed: the relay keeps the request to its end
+        # the main decode failed (gone, silent or too late): the relay keeps the
+        # request to its end (False again if the main decode switches after all)
+        self.kept = False
         self.peer_lost = False  # a message to the main decode could not be sent
         self._round_deadline: float | None = None
         self._cap_deadline: float | None = None
@@ -145,7 +147,9 @@ class RelaySide:
         self.acked = max(self.acked, min(msg.held, len(self.tokens)))
         if isinstance(msg, Ack) and msg.switched:
             # The main decode emits from switch_at on: after our commit, or on its
-            # own after it took us for dead.  Either way we stop.
+            # own after it took us for dead.  Either way we stop, and the request
+            # ends on the main decode (even if we had taken it for failed).
+            self.kept = False
             self._stop(RelayState.SWITCHED)
             return []
         if self.state is RelayState.DEGRADED:
