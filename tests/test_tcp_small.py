@@ -216,3 +216,142 @@ def test_many_small_transfers_at_once_all_land() -> None:
         await rx.close()
 
     arun(main(), 60)
+
+
+# ---- checksums in the copy: one read of each chunk on each side ------------------------------
+class _OnePassSource(BytesSource):
+    """Gives each chunk with its checksum from one pass (as the pack core
+    does for a KV source); records the calls.  Lends no view, so the
+    transport must use ``read_checksummed``."""
+
+    view = None  # type: ignore[assignment]
+    read_on_loop = True
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(data)
+        self.calls = 0
+
+    def read_checksummed(self, offset: int, n: int) -> tuple[memoryview, int]:
+        import xxhash
+
+        self.calls += 1
+        buf = bytearray(n)
+        self.read_into(offset, memoryview(buf))
+        return memoryview(buf), xxhash.xxh3_64_intdigest(buf)
+
+
+class _OnePassSink(OnceSink):
+    """Checks each chunk in the pass that writes it; records the checks."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.checked = 0
+        self.mismatches = 0
+
+    def write_checksummed(self, offset: int, data: memoryview, checksum: int) -> None:
+        import xxhash
+
+        from kvbridge.errors import ChecksumError
+
+        self.checked += 1
+        if xxhash.xxh3_64_intdigest(data) != checksum:
+            self.mismatches += 1
+            raise ChecksumError("chunk checksum mismatch")
+        np.frombuffer(self.data, np.uint8)[offset : offset + len(data)] = np.frombuffer(
+            data, np.uint8
+        )
+
+
+@pytest.mark.parametrize("size", [3000, 3 << 20])
+def test_checksums_in_the_copy_on_both_sides(size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A raw chunk is read once on each side: the sender takes the source's
+    checksum from the pass that produced the bytes and hashes nothing
+    itself; the receiver hashes nothing as the bytes arrive and the sink
+    checks them as it writes them."""
+    from kvbridge.wire import chunk, codec
+
+    hashed: list[int] = []
+    real = chunk.checksum
+    monkeypatch.setattr(chunk, "checksum", lambda d: hashed.append(len(d)) or real(d))
+    made: list[int] = []
+
+    class Hasher:
+        def __init__(self) -> None:
+            made.append(1)
+
+        def update(self, b: Any) -> None:
+            pass
+
+        def intdigest(self) -> int:
+            return 0
+
+    monkeypatch.setattr(
+        codec, "xxhash", type("X", (), {"xxh3_64": Hasher, "xxh3_64_intdigest": staticmethod(real)})
+    )
+
+    async def main() -> None:
+        rx, tx = await _pair(streams=2, chunk_size=1 << 20, compression="off")
+        data = os.urandom(size)
+        src, sink = _OnePassSource(data), _OnePassSink(size)
+        h = rx.expect("r", sink)
+        await tx.send("r", src, token=h.token).wait(20)
+        await h.wait(20)
+        assert bytes(sink.data) == data
+        chunks = -(-size // (1 << 20))
+        assert src.calls == chunks and sink.checked == chunks
+        assert hashed == [] and made == []  # no second pass on either side
+        await tx.close()
+        await rx.close()
+
+    arun(main(), 60)
+
+
+def test_a_chunk_damaged_on_the_way_fails_its_check_in_the_copy_and_is_sent_again() -> None:
+    from kvbridge.sim.emulator import CorruptFrame, FaultProxy
+
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        proxy = FaultProxy(("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])])
+        await proxy.start()
+        host, port = proxy.listen_addr
+        tx = TcpSender(host, port, streams=1, chunk_size=512 * KiB, compression="off")
+        data = os.urandom(4 << 20)
+        sink = _OnePassSink(len(data))
+        h = rx.expect("r", sink)
+        st = await tx.send("r", _OnePassSource(data), token=h.token).wait(30)
+        await h.wait(5)
+        assert bytes(sink.data) == data  # OnceSink: nothing else written twice
+        assert proxy.stats.frames_corrupted == 1 and sink.mismatches == 1
+        assert st.retries >= 1 and h.stats.bad_chunks == 1
+        await tx.close()
+        await proxy.close()
+        await rx.close()
+
+    arun(main(), 60)
+
+
+def test_kv_source_and_sink_use_the_pack_cores_one_pass_where_it_has_one() -> None:
+    pack = pytest.importorskip("kvbridge.pack")
+    from kvbridge.layout import KVLayout
+    from kvbridge.transport.tcp import KVSink, KVSource
+    from kvbridge.transport.tcp.kvio import _checksums_in_copy
+
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
+    src = pack.PagedKVCache.allocate(lay, 8, fill="random", seed=1)
+    dst = pack.PagedKVCache.allocate(lay, 8)
+    table = np.arange(8, dtype=np.int32)
+    source, sink = KVSource(src, table, 0, 40, None), KVSink(dst, table, 0, 40, None)
+    one_pass = _checksums_in_copy(pack)
+    assert hasattr(source, "read_checksummed") is one_pass
+    assert hasattr(sink, "write_checksummed") is one_pass
+    if not one_pass:
+        pytest.skip("this pack core has no checksum in the copy")
+    data, ck = source.read_checksummed(0, source.nbytes)
+    import xxhash
+
+    assert ck == xxhash.xxh3_64_intdigest(data)
+    sink.write_checksummed(0, data, ck)
+    from kvbridge.errors import ChecksumError
+
+    with pytest.raises(ChecksumError):
+        sink.write_checksummed(0, data, ck ^ 1)

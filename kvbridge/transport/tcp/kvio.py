@@ -71,6 +71,23 @@ class Sink(Protocol):
 # chunk is asked for again and overwritten, and a cancelled transfer stops
 # writing there at once.  The engine reads nothing before completion anyway.
 #
+# Checksums in the copy.  A source may also offer
+#
+#     def read_checksummed(self, offset: int, n: int) -> tuple[memoryview, int]
+#
+# (a new buffer of the bytes, as ``read``, and their XXH3-64, computed in the
+# pass that wrote them), and a sink
+#
+#     def write_checksummed(self, offset: int, data: memoryview, checksum: int) -> None
+#
+# (store the bytes, verifying in the same pass that they hash to ``checksum``;
+# on a mismatch raise kvbridge.errors.ChecksumError).  The transport then
+# reads each raw chunk once on each side beyond the kernel's copies: the
+# sender does not hash the chunk again, the receiver does not hash it as it
+# arrives.  A damaged chunk has then reached the sink's memory before the
+# mismatch was found (as with a sink that lends its memory): it is asked
+# for again and its resend overwrites those bytes.
+#
 # A sink whose ``flush()`` is cheap and never blocks may say so with
 # ``flush_on_loop = True``: the receiver then calls it on the event loop, so
 # that COMPLETE leaves with the reply to the last chunk, without a hop to a
@@ -190,6 +207,22 @@ class _KVBase:
         self.layout_hash = layout.compat_hash
         self.token_range = (start, end)
         self.layer_range = (l0, l1)
+        # the pack core's one-pass checksum (CPU caches), where it has one
+        self._one_pass = not getattr(cache, "is_cuda", False) and _checksums_in_copy(_pack)
+
+
+def _checksums_in_copy(pack: Any) -> bool:
+    """Whether ``kvbridge.pack`` packs with a checksum and unpacks with a
+    check in the same pass (``pack(..., checksum=True)`` returns ``(out,
+    xxh3)``; ``unpack(..., expect_checksum=c)`` raises ChecksumError)."""
+    import inspect
+
+    try:
+        return "checksum" in inspect.signature(pack.pack).parameters and (
+            "expect_checksum" in inspect.signature(pack.unpack).parameters
+        )
+    except (TypeError, ValueError):
+        return False
 
 
 class KVSource(_KVBase):
@@ -198,11 +231,29 @@ class KVSource(_KVBase):
     A CUDA cache packs into pinned host memory (the device-to-host copy is part
     of the pack kernel's output), and waits for it."""
 
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        # a subclass that packs its own way (LayerwiseSource waits for its
+        # layers in _pack_to) keeps the two passes
+        if self._one_pass and type(self)._pack_to is KVSource._pack_to:
+            self.read_checksummed = self._read_checksummed
+
     @property
     def read_on_loop(self) -> bool:
         """A CPU pack of a small chunk may run on the event loop; a CUDA one
         waits for its kernel and may not."""
         return not getattr(self.cache, "is_cuda", False)
+
+    def _read_checksummed(self, offset: int, n: int) -> tuple[memoryview, int]:
+        """A new buffer of the bytes ``[offset, offset + n)`` and their
+        XXH3-64, from the pack core's one pass."""
+        _check(offset, n, self.nbytes)
+        out = np.empty(n, dtype=np.uint8)
+        _, digest = self._pack.pack(
+            self.cache, self.block_table, self.start, self.end,
+            layers=self.layers, out=out, offset=offset, nbytes=n, checksum=True,
+        )  # fmt: skip
+        return out.data, int(digest)
 
     def read(self, offset: int, n: int) -> memoryview:
         """A new buffer of the bytes ``[offset, offset + n)``: the pack core
@@ -238,6 +289,22 @@ class KVSink(_KVBase):
     cache unpacks from a pinned staging copy and waits for the kernel."""
 
     flush_on_loop = True  # every write already waited for its kernel: flush() is a no-op
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        if self._one_pass:
+            self.write_checksummed = self._write_checksummed
+
+    def _write_checksummed(self, offset: int, data: memoryview, checksum: int) -> None:
+        """Unpack ``data`` at ``offset``, checking in the same pass that it
+        hashes to ``checksum`` (ChecksumError: the slice's pages then hold
+        unspecified bytes until the chunk's resend is unpacked there)."""
+        _check(offset, len(data), self.nbytes)
+        self._pack.unpack(
+            self.cache, self.block_table, self.start, self.end,
+            np.frombuffer(data, dtype=np.uint8), layers=self.layers, offset=offset,
+            expect_checksum=checksum,
+        )  # fmt: skip
 
     def write(self, offset: int, data: memoryview) -> None:
         _check(offset, len(data), self.nbytes)

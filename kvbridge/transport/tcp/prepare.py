@@ -38,7 +38,9 @@ def inline_limit(source: Source) -> int:
     (``read_on_loop``: a CPU pack, not a CUDA copy); others go to a worker."""
     if getattr(source, "view", None) is not None:
         return INLINE_BYTES
-    if hasattr(source, "read") and getattr(source, "read_on_loop", False):
+    if getattr(source, "read_on_loop", False) and (
+        hasattr(source, "read") or hasattr(source, "read_checksummed")
+    ):
         return INLINE_READ_BYTES
     return 0
 
@@ -144,4 +146,9 @@ def read_chunk(source: Source, off: int, n: int) -> Any:
 
 
 def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:
+    if codec == ChunkCodec.RAW and not shuffle:
+        one_pass = getattr(source, "read_checksummed", None)
+        if one_pass is not None:  # the bytes and their checksum from one pass
+            data, ck = one_pass(off, n)
+            return data, int(ck)
     return encode_chunk(read_chunk(source, off, n), codec, shuffle)

@@ -70,7 +70,7 @@ from .identity import certificate_names, check_mode
 from .kvio import Sink, is_sink
 from .limits import ReceiverLimits
 from .peers import Peer, PeerTable
-from .writes import WriteQueue, decode_and_write
+from .writes import WriteQueue, decode_and_write, verifies_in_copy
 
 log = logging.getLogger("kvbridge.transport")
 
@@ -303,6 +303,7 @@ class TcpReceiver:
             return
         conn.decoder.allocate = self._bufpool.get
         conn.decoder.place = lambda head: self._place(conn, head)
+        conn.decoder.hash_unplaced = lambda head: self._hash_unplaced(conn, head)
         task = asyncio.get_running_loop().create_task(self._handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
@@ -406,6 +407,13 @@ class TcpReceiver:
         if att is not None and att.transfer_id == m.transfer_id:
             st.transfers[m.transfer_id] = t
         self._apply(t, outs)
+
+    def _hash_unplaced(self, conn: FrameConnection, h: DataHead) -> bool:
+        """Hash a frame's bytes as they arrive, unless its sink checks them
+        in the pass that writes them (``write_checksummed``)."""
+        st = self._conns.get(conn)
+        t = st.transfers.get(h.transfer_id) if st is not None else None
+        return t is None or not verifies_in_copy(t.sink, h.codec, h.shuffle)
 
     def _place(self, conn: FrameConnection, h: DataHead) -> memoryview | None:
         """Where the bytes of an incoming DATA frame should land: straight in

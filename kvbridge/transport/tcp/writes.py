@@ -19,11 +19,12 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any
 
+from ...errors import DecompressError
 from ...wire.chunk import decode_chunk
 from ...wire.frames import ChunkCodec, Data
 from .kvio import Sink
 
-__all__ = ["INLINE_BYTES", "WriteQueue", "decode_and_write"]
+__all__ = ["INLINE_BYTES", "WriteQueue", "decode_and_write", "verifies_in_copy"]
 
 INLINE_BYTES = 256 << 10  # raw chunks up to this size are written on the event loop
 
@@ -80,12 +81,27 @@ def _small_raw(m: Data) -> bool:
     return m.codec == ChunkCodec.RAW and m.raw_length <= INLINE_BYTES
 
 
+def verifies_in_copy(sink: Sink, codec: int, shuffle: int) -> bool:
+    """Whether a chunk of this codec goes to ``sink`` through its
+    ``write_checksummed``: the checksum checked in the pass that writes the
+    bytes, so the receiver does not hash them on arrival."""
+    return codec == ChunkCodec.RAW and not shuffle and hasattr(sink, "write_checksummed")
+
+
 def decode_and_write(sink: Sink, m: Data, pieces: tuple[tuple[int, int], ...]) -> None:
     """Check ``m``'s checksum and codec (ChecksumError, DecompressError), then
-    write the byte ranges ``pieces`` of it into ``sink``."""
-    raw = decode_chunk(m.data, m.raw_length, m.codec, m.shuffle, m.checksum, m.digest)
+    write the byte ranges ``pieces`` of it into ``sink``: a raw chunk that
+    is written whole into a sink with ``write_checksummed`` is checked in
+    that one pass."""
     a, b = m.offset, m.offset + m.raw_length
-    if len(pieces) == 1 and pieces[0] == (a, b):
+    whole = len(pieces) == 1 and pieces[0] == (a, b)
+    if whole and m.digest is None and verifies_in_copy(sink, m.codec, m.shuffle):
+        if m.wire_length != m.raw_length:
+            raise DecompressError(f"raw chunk of {m.wire_length} bytes, expected {m.raw_length}")
+        sink.write_checksummed(a, m.data, m.checksum)  # type: ignore[attr-defined]
+        return
+    raw = decode_chunk(m.data, m.raw_length, m.codec, m.shuffle, m.checksum, m.digest)
+    if whole:
         sink.write(a, raw)
         return
     mv = memoryview(raw)
