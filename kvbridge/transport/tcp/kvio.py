@@ -190,6 +190,8 @@ class _KVBase:
         start: int,
         end: int,
         layers: tuple[int, int] | None,
+        *,
+        num_threads: int = 1,
     ) -> None:
         from ... import pack as _pack  # the C++ core, loaded with the first KV source
 
@@ -198,6 +200,12 @@ class _KVBase:
         l0, l1 = layout.layer_range(layers)
         if not 0 <= start <= end:
             raise InvalidArgument(f"bad token range [{start}, {end})")
+        if num_threads < 0:
+            raise InvalidArgument(f"num_threads must be >= 0, got {num_threads}")
+        # threads of one pack or unpack call (0: the core's own choice); the
+        # transport already works on one chunk per worker thread, so one
+        # thread per chunk keeps the cores from being oversubscribed
+        self.num_threads = num_threads
         self.cache = cache
         self.block_table = block_table
         self.start, self.end = start, end
@@ -252,6 +260,7 @@ class KVSource(_KVBase):
         _, digest = self._pack.pack(
             self.cache, self.block_table, self.start, self.end,
             layers=self.layers, out=out, offset=offset, nbytes=n, checksum=True,
+            num_threads=self.num_threads,
         )  # fmt: skip
         return out.data, int(digest)
 
@@ -281,6 +290,7 @@ class KVSource(_KVBase):
         self._pack.pack(
             self.cache, self.block_table, self.start, self.end,
             layers=self.layers, out=out, offset=offset, nbytes=n,
+            num_threads=self.num_threads,
         )  # fmt: skip
 
 
@@ -303,7 +313,7 @@ class KVSink(_KVBase):
         self._pack.unpack(
             self.cache, self.block_table, self.start, self.end,
             np.frombuffer(data, dtype=np.uint8), layers=self.layers, offset=offset,
-            expect_checksum=checksum,
+            expect_checksum=checksum, num_threads=self.num_threads,
         )  # fmt: skip
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -324,6 +334,7 @@ class KVSink(_KVBase):
             src,
             layers=self.layers,
             offset=offset,
+            num_threads=self.num_threads,
         )
         if cuda:
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
