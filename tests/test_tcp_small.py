@@ -355,3 +355,26 @@ def test_kv_source_and_sink_use_the_pack_cores_one_pass_where_it_has_one() -> No
 
     with pytest.raises(ChecksumError):
         sink.write_checksummed(0, data, ck ^ 1)
+
+
+def test_finished_transfers_do_not_count_against_the_open_transfer_limit() -> None:
+    """A finished transfer lingers on its connection (a late OPEN still
+    learns its outcome) but is not open: a sender may run many more small
+    transfers over one connection within the linger than the receiver's
+    limit on open transfers per connection."""
+    from kvbridge.transport.tcp import ReceiverLimits
+
+    async def main() -> None:
+        rx = await TcpReceiver(limits=ReceiverLimits(max_transfers_per_connection=4)).start()
+        tx = TcpSender("127.0.0.1", rx.port, streams=1, compression="off")
+        data = os.urandom(4 * KiB)
+        for i in range(12):
+            sink = BytesSink(len(data))
+            h = rx.expect(f"r{i}", sink)
+            await tx.send(f"r{i}", BytesSource(data), token=h.token).wait(10)
+            await h.wait(10)
+            assert bytes(sink.data) == data
+        await tx.close()
+        await rx.close()
+
+    arun(main(), 60)

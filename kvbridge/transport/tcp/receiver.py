@@ -98,6 +98,9 @@ class _ConnState:
         self.peer = peer
         self.ranged = ranged
         self.transfers: dict[int, _Rx] = {}
+        # ids in ``transfers`` whose transfer finished and lingers (not open:
+        # max_transfers_per_connection counts the others)
+        self.done: set[int] = set()
         self.unknown_tokens = 0
         self.stray = 0
 
@@ -399,13 +402,15 @@ class TcpReceiver:
             if st.unknown_tokens > self.limits.max_unknown_tokens:
                 raise AuthenticationError("too many transfer tokens that were never issued")
             return
-        if len(st.transfers) >= self.limits.max_transfers_per_connection:
+        if len(st.transfers) - len(st.done) >= self.limits.max_transfers_per_connection:
             conn.send(Abort(m.transfer_id, ErrorCode.RESOURCE_LIMIT, "too many open transfers"))
             return
         outs = t.on_open(conn, m, st.ranged, self._now())
         att = t.attached.get(conn)
         if att is not None and att.transfer_id == m.transfer_id:
             st.transfers[m.transfer_id] = t
+            if t.finished:  # a late OPEN: it learns the outcome and lingers here too
+                st.done.add(m.transfer_id)
         self._apply(t, outs)
 
     def _hash_unplaced(self, conn: FrameConnection, h: DataHead) -> bool:
@@ -458,6 +463,7 @@ class TcpReceiver:
                     self._spawn(self._flush(t))
             elif isinstance(o, Resolve):
                 t.handle._resolve(o.error)
+                self._lingers(t)
             elif isinstance(o, StopPlacing):
                 o.conn.decoder.discard_current()
             elif isinstance(o, Forget):
@@ -494,7 +500,15 @@ class TcpReceiver:
             st = self._conns.get(c)
             if st is not None and st.transfers.get(att.transfer_id) is t:
                 del st.transfers[att.transfer_id]
+                st.done.discard(att.transfer_id)
         t.attached.clear()
+
+    def _lingers(self, t: _Rx) -> None:
+        """``t`` finished: on each of its connections it lingers, no longer open."""
+        for c, att in t.attached.items():
+            st = self._conns.get(c)
+            if st is not None and st.transfers.get(att.transfer_id) is t:
+                st.done.add(att.transfer_id)
 
     def _queue_write(self, t: _Rx, w: Write, peer: Peer | None) -> None:
         size = HEADER_SIZE + DATA_HEADER_SIZE + w.data.wire_length
