@@ -235,7 +235,9 @@ def test_the_open_transfer_limit_counts_open_transfers_not_lingering_ones() -> N
     from kvbridge.transport.tcp import ReceiverLimits
 
     async def main() -> None:
-        rx = TcpReceiver(keepalive_interval=60, limits=ReceiverLimits(max_transfers_per_connection=2))
+        rx = TcpReceiver(
+            keepalive_interval=60, limits=ReceiverLimits(max_transfers_per_connection=2)
+        )
         hs = [rx.expect(f"r{i}", BytesSink(10)) for i in range(4)]
         t = await handshaken(rx)
 
