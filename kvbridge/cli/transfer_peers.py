@@ -38,7 +38,7 @@ from .compare_peers import Scenario, _buffer, _digest, _finish_receiver, _kvb_ca
 
 __all__ = ["Row", "rows_for", "run_one"]
 
-LIBS = ("kvbridge", "raw", "mooncake")
+LIBS = ("kvbridge", "kvbridge-2pass", "raw", "mooncake")
 
 
 @dataclass
@@ -67,6 +67,16 @@ def rows_for(libs: list[str], streams: int) -> list[Row]:
                 f"{streams} streams, chunks fitted (4 MiB), compression off, checksums on",
             )
         )
+    if "kvbridge-2pass" in libs:
+        out.append(
+            Row(
+                "kvb 2-pass",
+                "kvbridge",
+                {"streams": streams, "one_pass": False},
+                "as kvbridge TCP, but each side hashes a KV chunk in a pass of its own "
+                "(not in the pack / unpack copy; an experiment row, pages only)",
+            )
+        )
     if "raw" in libs:
         out.append(
             Row(
@@ -89,8 +99,12 @@ def rows_for(libs: list[str], streams: int) -> list[Row]:
 
 
 # ---- kvbridge TCP -----------------------------------------------------------------------
-def _ends(scen: Scenario, buf: np.ndarray, bt: np.ndarray, sink: bool) -> Any:
-    """The kvbridge source or sink of ``scen`` over ``buf``."""
+def _ends(
+    scen: Scenario, buf: np.ndarray, bt: np.ndarray, sink: bool, one_pass: bool = True
+) -> Any:
+    """The kvbridge source or sink of ``scen`` over ``buf`` (``one_pass=False``:
+    a KV end without its checksum in the copy, so that the transport hashes
+    each chunk in a pass of its own)."""
     from ..pack import PagedKVCache
     from ..transport.tcp import BytesSource, KVSink, KVSource
     from .transfer_bench import _ReuseSink
@@ -105,7 +119,12 @@ def _ends(scen: Scenario, buf: np.ndarray, bt: np.ndarray, sink: bool) -> Any:
     )
     cache = PagedKVCache(lay, buf.view(dt).reshape(lay.cache_shape(scen.num_pages)))
     cls = KVSink if sink else KVSource
-    return cls(cache, bt, scen.start, scen.end, None)
+    end = cls(cache, bt, scen.start, scen.end, None)
+    if not one_pass:
+        for name in ("read_checksummed", "write_checksummed"):
+            if name in vars(end):
+                delattr(end, name)
+    return end
 
 
 def _kvb_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
@@ -115,7 +134,11 @@ def _kvb_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -
         buf = _buffer(scen, fill=False)
         rx = await TcpReceiver("127.0.0.1", 0, compat_hash=scen.layout.compat_hash).start()
         hs = [
-            rx.expect(f"it{i}", _ends(scen, buf, scen.dst_bt, True), timeout=600)
+            rx.expect(
+                f"it{i}",
+                _ends(scen, buf, scen.dst_bt, True, opts.get("one_pass", True)),
+                timeout=600,
+            )
             for i in range(iters + 1)
         ]
         conn.send(("ready", (rx.port, [h.token for h in hs])))
@@ -145,7 +168,7 @@ def _kvb_sender(
         await tx.connect()
         times = []
         for i in range(iters + 1):
-            src = _ends(scen, buf, scen.src_bt, False)
+            src = _ends(scen, buf, scen.src_bt, False, opts.get("one_pass", True))
             t = time.perf_counter()
             await tx.send(f"it{i}", src, token=tokens[i], timeout=600).wait(600)
             times.append(time.perf_counter() - t)
