@@ -73,8 +73,7 @@ class CacheDesc {
     d.layer_base = s_->layer_bases.empty() ? nullptr : s_->layer_bases.data();
     d.device = device;
     d.elem_bytes = elem_bytes;
-    d.component_strides =
-        s_->component_strides.empty() ? nullptr : s_->component_strides.data();
+    d.component_strides = s_->component_strides.empty() ? nullptr : s_->component_strides.data();
     d.component_base = s_->component_bases.empty() ? nullptr : s_->component_bases.data();
   }
   const kvb_cache_desc* get() const { return &s_->desc; }
@@ -196,8 +195,8 @@ PlanResult make_plan(CacheDesc& desc, const Table& table, int64_t token_start, i
   int rc;
   {
     nb::gil_scoped_release release;
-    rc = kvb_plan_create(desc.state()->handle, &r, writable ? KVB_PLAN_WRITE : KVB_PLAN_READ,
-                         &plan);
+    rc =
+        kvb_plan_create(desc.state()->handle, &r, writable ? KVB_PLAN_WRITE : KVB_PLAN_READ, &plan);
   }
   if (rc != KVB_OK) {
     Result f = finish(rc);
@@ -207,9 +206,8 @@ PlanResult make_plan(CacheDesc& desc, const Table& table, int64_t token_start, i
 }
 
 std::tuple<int, std::string, uint64_t> plan_pack(const Plan& plan, uint64_t wire_offset,
-                                                 WireOut out, uint64_t nbytes,
-                                                 int32_t num_threads, uint64_t stream,
-                                                 bool checksum) {
+                                                 WireOut out, uint64_t nbytes, int32_t num_threads,
+                                                 uint64_t stream, bool checksum) {
   Result err;
   if (!wire_fits(plan.device(), out, nbytes, &err)) return {err.first, err.second, 0};
   if (checksum && plan.cuda()) {
@@ -267,9 +265,10 @@ void register_pack(nb::module_& m) {
 
   nb::class_<Plan>(m, "Plan").def_prop_ro("nbytes", &Plan::nbytes);
 
-  m.def("make_plan", &make_plan, nb::rv_policy::take_ownership, nb::arg("desc"), nb::arg("block_table").noconvert(),
-        nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"),
-        nb::arg("head_start"), nb::arg("head_end"), nb::arg("writable"),
+  m.def("make_plan", &make_plan, nb::rv_policy::take_ownership, nb::arg("desc"),
+        nb::arg("block_table").noconvert(), nb::arg("token_start"), nb::arg("token_end"),
+        nb::arg("layer_start"), nb::arg("layer_end"), nb::arg("head_start"), nb::arg("head_end"),
+        nb::arg("writable"),
         "Check a range once (kvb_plan_create); returns (status, message, Plan or None).");
   m.def("plan_pack", &plan_pack, nb::arg("plan"), nb::arg("wire_offset"),
         nb::arg("out").noconvert(), nb::arg("nbytes"), nb::arg("num_threads"), nb::arg("stream"),

@@ -19,8 +19,8 @@ namespace {
 constexpr uint64_t kMinBytesPerThread = uint64_t{1} << 20;
 constexpr int kMaxAutoThreads = 8;
 constexpr int kMaxThreads = 64;
-constexpr std::ptrdiff_t kPrefetchRuns = 4;    // runs ahead
-constexpr int64_t kPrefetchBytes = 2048;       // of each run's head
+constexpr std::ptrdiff_t kPrefetchRuns = 4;           // runs ahead
+constexpr int64_t kPrefetchBytes = 2048;              // of each run's head
 constexpr uint64_t kHashWindow = uint64_t{32} << 10;  // copied, then hashed while in cache
 
 struct Job {
@@ -127,8 +127,7 @@ TokenShape token_shape(const Job& j, int comp) {
 
 // `n` whole tokens: wire rows from `wire`, cache tokens from `tok`.
 template <bool kPack>
-void move_tokens(const Job& j, int comp, TokenShape shape, uint8_t* wire, uint8_t* tok,
-                 int64_t n) {
+void move_tokens(const Job& j, int comp, TokenShape shape, uint8_t* wire, uint8_t* tok, int64_t n) {
   const Geometry& g = j.p->g;
   const CompStrides& s = j.c->comp[comp];
   switch (shape) {
@@ -139,7 +138,8 @@ void move_tokens(const Job& j, int comp, TokenShape shape, uint8_t* wire, uint8_
       }
       return;
     case TokenShape::kHeads:
-      for (int64_t i = 0; i < n; ++i) move_heads<kPack>(wire + i * g.token_bytes, tok + i * s.token, g, s.head);
+      for (int64_t i = 0; i < n; ++i)
+        move_heads<kPack>(wire + i * g.token_bytes, tok + i * s.token, g, s.head);
       return;
     case TokenShape::kElems:
       move_elems<kPack>(wire, tok, n, g, s, j.c->elems_per_head());
@@ -149,8 +149,7 @@ void move_tokens(const Job& j, int comp, TokenShape shape, uint8_t* wire, uint8_
 
 // Bytes [a, b) of one token (token-relative), the wire byte a at `wire`.
 template <bool kPack>
-void move_token_part(const Job& j, int comp, uint8_t* wire, uint8_t* tok, uint64_t a,
-                     uint64_t b) {
+void move_token_part(const Job& j, int comp, uint8_t* wire, uint8_t* tok, uint64_t a, uint64_t b) {
   const Geometry& g = j.p->g;
   const CompStrides& s = j.c->comp[comp];
   const bool head_run = j.c->head_run(comp);
@@ -193,7 +192,7 @@ void move_run(const Job& j, int comp, TokenShape shape, const TokenRun& run, uin
     return;
   }
   const uint64_t ta = (w0 + tokb - 1) / tokb, tb = w1 / tokb;  // whole tokens [ta, tb)
-  if (ta > tb) {  // inside one token
+  if (ta > tb) {                                               // inside one token
     const uint64_t t = w0 / tokb;
     move_token_part<kPack>(j, comp, wp(w0), tp(t), w0 - t * tokb, w1 - t * tokb);
     return;
@@ -296,8 +295,8 @@ int run_plan(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbyte
                    "the %llu bytes at wire offset %llu have XXH3-64 %016llx, expected %016llx; "
                    "their slots now hold unspecified bytes",
                    static_cast<unsigned long long>(nbytes),
-                   static_cast<unsigned long long>(wire_offset),
-                   static_cast<unsigned long long>(d), static_cast<unsigned long long>(*expect));
+                   static_cast<unsigned long long>(wire_offset), static_cast<unsigned long long>(d),
+                   static_cast<unsigned long long>(*expect));
     }
     return KVB_OK;
   }
@@ -319,8 +318,8 @@ int run_plan(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbyte
 
 // The per-call entry points: check the descriptor and the range, then copy.
 template <bool kPack>
-int run_once(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
-             void* wire, uint64_t nbytes, const kvb_exec* exec) {
+int run_once(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset, void* wire,
+             uint64_t nbytes, const kvb_exec* exec) {
   if (exec != nullptr && exec->num_threads < 0) {
     return failf(KVB_ERR_INVALID_ARG, "num_threads must be >= 0, got %d", exec->num_threads);
   }

@@ -112,8 +112,8 @@ int check_bases(const PlanInfo& p) {
   const CacheInfo& c = *p.cache;
   for (int64_t l = p.g.layer_start; l < p.g.layer_end; ++l) {
     for (int k = 0; k < c.num_components; ++k) {
-      if (int rc = check_pointer(reinterpret_cast<void*>(c.at(l, k)), c.device, false,
-                                 "a cache layer");
+      if (int rc =
+              check_pointer(reinterpret_cast<void*>(c.at(l, k)), c.device, false, "a cache layer");
           rc != KVB_OK) {
         return rc;
       }
@@ -124,8 +124,7 @@ int check_bases(const PlanInfo& p) {
 
 template <bool kPack>
 int launch(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbytes,
-           const uint64_t* dev_bases, const int32_t* dev_pages, int sm_count,
-           cudaStream_t stream) {
+           const uint64_t* dev_bases, const int32_t* dev_pages, int sm_count, cudaStream_t stream) {
   const bool aligned = row_copy_aligned(p, wire, wire_offset);
   const RowCopy d = make_row_copy(p, wire_offset, nbytes, dev_bases, dev_pages,
                                   static_cast<uint8_t*>(wire), aligned);
@@ -158,7 +157,8 @@ int run_plan(const kvb_plan* plan, uint64_t wire_offset, void* wire, uint64_t nb
     return fail(KVB_ERR_INVALID_ARG, "the CUDA path needs a cache on a CUDA device (device >= 0)");
   }
   if (nbytes == 0) return KVB_OK;
-  if (plan->cache->device_bases == nullptr || (p.g.num_tokens > 0 && plan->device_pages == nullptr)) {
+  if (plan->cache->device_bases == nullptr ||
+      (p.g.num_tokens > 0 && plan->device_pages == nullptr)) {
     return fail(KVB_ERR_INTERNAL, "the plan has no device tables");
   }
   DeviceScope scope(p.cache->device);
@@ -175,8 +175,8 @@ int run_plan(const kvb_plan* plan, uint64_t wire_offset, void* wire, uint64_t nb
 
 // The per-call entry points: check, stage the tables in stream order, launch, free.
 template <bool kPack>
-int run_once(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset,
-             void* wire, uint64_t nbytes, const kvb_exec* exec) {
+int run_once(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset, void* wire,
+             uint64_t nbytes, const kvb_exec* exec) {
   if (cache == nullptr || range == nullptr) {
     return fail(KVB_ERR_INVALID_ARG, "null cache descriptor or range");
   }

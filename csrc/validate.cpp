@@ -206,9 +206,8 @@ uint64_t CacheInfo::extent(int c) const {
   if (num_pages <= 0) return 0;
   // Bounded by check_cache(): no overflow for a descriptor that passed it.
   const CompStrides& s = comp[c];
-  return static_cast<uint64_t>(elem_bytes + (num_pages - 1) * s.page +
-                               (page_tokens - 1) * s.token + (num_heads - 1) * s.head +
-                               (elems_per_head() - 1) * s.elem);
+  return static_cast<uint64_t>(elem_bytes + (num_pages - 1) * s.page + (page_tokens - 1) * s.token +
+                               (num_heads - 1) * s.head + (elems_per_head() - 1) * s.elem);
 }
 
 int check_cache(const kvb_cache_desc* desc, CacheInfo* out) {
@@ -233,8 +232,8 @@ int check_cache(const kvb_cache_desc* desc, CacheInfo* out) {
   }
   const int64_t eb = v2 && d.elem_bytes != 0 ? d.elem_bytes : d.head_bytes;
   if (eb <= 0 || d.head_bytes % eb != 0) {
-    return failf(KVB_ERR_LAYOUT, "elem_bytes %" PRId64 " does not divide head_bytes %" PRId64,
-                 eb, d.head_bytes);
+    return failf(KVB_ERR_LAYOUT, "elem_bytes %" PRId64 " does not divide head_bytes %" PRId64, eb,
+                 d.head_bytes);
   }
   const bool own_bases = v2 && d.component_base != nullptr;
   const bool own_strides = v2 && d.component_strides != nullptr;
@@ -374,7 +373,8 @@ int check_range(const CacheInfo& c, const kvb_range* range, Access access, PlanI
       for (int k = 0; k < c.num_components; ++k) {
         if (c.at(l, k) == 0) {
           return c.abi_version >= 2 && c.num_components == 2 && k == 1
-                     ? failf(KVB_ERR_INVALID_ARG, "the base of layer %" PRId64 " component %d is null", l, k)
+                     ? failf(KVB_ERR_INVALID_ARG,
+                             "the base of layer %" PRId64 " component %d is null", l, k)
                      : failf(KVB_ERR_INVALID_ARG, "layer_base[%" PRId64 "] is null", l);
         }
       }
@@ -400,8 +400,8 @@ int check_range(const CacheInfo& c, const kvb_range* range, Access access, PlanI
       }
     }
     if (access == Access::kWrite && g.num_blocks > 1) {
-      if (int rc = check_unique(r.block_table + g.first_block, g.num_blocks, c.num_pages,
-                                g.first_block);
+      if (int rc =
+              check_unique(r.block_table + g.first_block, g.num_blocks, c.num_pages, g.first_block);
           rc != KVB_OK) {
         return rc;
       }
@@ -409,10 +409,10 @@ int check_range(const CacheInfo& c, const kvb_range* range, Access access, PlanI
     if (access == Access::kWrite && g.layer_end > g.layer_start) {
       int64_t a = 0, b = 0;
       if (!blocks_disjoint(c, g.layer_start, g.layer_end, &a, &b)) {
-        return a == b ? failf(KVB_ERR_OVERLAP, "the components of layer %" PRId64
-                                               " overlap in memory", a)
-                      : failf(KVB_ERR_OVERLAP, "layers %" PRId64 " and %" PRId64
-                                               " overlap in memory", a, b);
+        return a == b ? failf(KVB_ERR_OVERLAP,
+                              "the components of layer %" PRId64 " overlap in memory", a)
+                      : failf(KVB_ERR_OVERLAP,
+                              "layers %" PRId64 " and %" PRId64 " overlap in memory", a, b);
       }
     }
     p.pages.assign(r.block_table + g.first_block, r.block_table + g.first_block + g.num_blocks);
@@ -448,8 +448,7 @@ int check_slice(const PlanInfo& p, uint64_t wire_offset, uint64_t nbytes, const 
     for (int k = 0; k < c.num_components; ++k) {
       const uintptr_t b = c.at(l, k);
       if (w0 < b + c.extent(k) && b < w1) {
-        return failf(KVB_ERR_OVERLAP, "the wire buffer overlaps layer %" PRId64 " of the cache",
-                     l);
+        return failf(KVB_ERR_OVERLAP, "the wire buffer overlaps layer %" PRId64 " of the cache", l);
       }
     }
   }

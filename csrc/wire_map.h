@@ -39,7 +39,7 @@ struct RowCopy {
   int64_t stride_elem[2];
   int32_t head_run[2];          // a head of the component is one run of head_bytes
   int32_t heads_contiguous[2];  // ... and the range's heads of a token are one run
-  uint64_t lo;  // wire positions [lo, hi) of the slice
+  uint64_t lo;                  // wire positions [lo, hi) of the slice
   uint64_t hi;
   uint64_t row_first;     // lo / token_bytes
   uint64_t num_rows;      // rows the slice touches
@@ -160,9 +160,8 @@ KVB_HD void copy_row(const RowCopy& d, uint64_t row, uint32_t lane, uint32_t lan
 // Host side: the kernel's arguments for wire positions [lo, lo + nbytes)
 // (nbytes > 0) of a checked plan.  `bases` holds the (layer, component) base
 // addresses from layer_start on; `pages` the block-table entries from first_block.
-inline RowCopy make_row_copy(const PlanInfo& p, uint64_t lo, uint64_t nbytes,
-                             const uint64_t* bases, const int32_t* pages, uint8_t* wire,
-                             bool aligned) {
+inline RowCopy make_row_copy(const PlanInfo& p, uint64_t lo, uint64_t nbytes, const uint64_t* bases,
+                             const int32_t* pages, uint8_t* wire, bool aligned) {
   const Geometry& g = p.g;
   const CacheInfo& c = *p.cache;
   RowCopy d;

@@ -89,10 +89,9 @@ uint64_t hash_short(const uint8_t* in, size_t len) {
   const uint8_t* s = kSecret;
   if (len == 0) return avalanche_xxh64(rd64(s + 56) ^ rd64(s + 64));
   if (len <= 3) {
-    const uint32_t combined = (static_cast<uint32_t>(in[0]) << 16) |
-                              (static_cast<uint32_t>(in[len >> 1]) << 24) |
-                              static_cast<uint32_t>(in[len - 1]) |
-                              (static_cast<uint32_t>(len) << 8);
+    const uint32_t combined =
+        (static_cast<uint32_t>(in[0]) << 16) | (static_cast<uint32_t>(in[len >> 1]) << 24) |
+        static_cast<uint32_t>(in[len - 1]) | (static_cast<uint32_t>(len) << 8);
     const uint64_t flip = static_cast<uint64_t>(rd32(s) ^ rd32(s + 4));
     return avalanche_xxh64(static_cast<uint64_t>(combined) ^ flip);
   }
@@ -157,8 +156,8 @@ void scramble_scalar(uint64_t* acc, const uint8_t* sec) {
 }
 
 #ifdef KVB_XXH3_X86
-__attribute__((target("sse2"))) void acc_sse2(uint64_t* acc, const uint8_t* in,
-                                              const uint8_t* sec, size_t stripes) {
+__attribute__((target("sse2"))) void acc_sse2(uint64_t* acc, const uint8_t* in, const uint8_t* sec,
+                                              size_t stripes) {
   __m128i a[4];
   for (int i = 0; i < 4; ++i) a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(acc) + i);
   for (size_t n = 0; n < stripes; ++n) {
@@ -188,8 +187,8 @@ __attribute__((target("sse2"))) void scramble_sse2(uint64_t* acc, const uint8_t*
   }
 }
 
-__attribute__((target("avx2"))) void acc_avx2(uint64_t* acc, const uint8_t* in,
-                                              const uint8_t* sec, size_t stripes) {
+__attribute__((target("avx2"))) void acc_avx2(uint64_t* acc, const uint8_t* in, const uint8_t* sec,
+                                              size_t stripes) {
   __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
   __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + 1);
   for (size_t n = 0; n < stripes; ++n) {
@@ -233,7 +232,8 @@ __attribute__((target("avx512f"))) void acc_avx512(uint64_t* acc, const uint8_t*
     const __m512i d = _mm512_loadu_si512(in + n * kStripe);
     const __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512(sec + n * 8));
     const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
-    const __m512i swap = _mm512_shuffle_epi32(d, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 0, 3, 2)));
+    const __m512i swap =
+        _mm512_shuffle_epi32(d, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 0, 3, 2)));
     a = _mm512_add_epi64(a, _mm512_add_epi64(prod, swap));
   }
   _mm512_storeu_si512(acc, a);
@@ -303,7 +303,8 @@ constexpr uint64_t kAccInit[8] = {kPrime32_3, kPrime64_1, kPrime64_2, kPrime64_3
 uint64_t merge(const uint64_t* acc, uint64_t len) {
   uint64_t r = len * kPrime64_1;
   for (int i = 0; i < 4; ++i) {
-    r += fold128(acc[2 * i] ^ rd64(kSecret + 11 + 16 * i), acc[2 * i + 1] ^ rd64(kSecret + 19 + 16 * i));
+    r += fold128(acc[2 * i] ^ rd64(kSecret + 11 + 16 * i),
+                 acc[2 * i + 1] ^ rd64(kSecret + 19 + 16 * i));
   }
   return avalanche(r);
 }

@@ -20,7 +20,7 @@ class Xxh3Stream {
   static constexpr size_t kBufferSize = 256;  // holds every byte of an input up to 240
   alignas(64) uint64_t acc_[8];
   alignas(64) uint8_t buffer_[kBufferSize];  // bytes not yet consumed as stripes
-  uint8_t last_stripe_[64];  // the 64 bytes consumed last (for a short final tail)
+  uint8_t last_stripe_[64];                  // the 64 bytes consumed last (for a short final tail)
   size_t buffered_ = 0;
   size_t stripes_in_block_ = 0;
   uint64_t total_ = 0;

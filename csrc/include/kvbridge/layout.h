@@ -53,17 +53,17 @@ typedef struct kvb_cache_desc {
   void* const* layer_base;  /* num_layers host-readable pointers */
   int32_t device;           /* -1: host memory; >= 0: CUDA device ordinal */
   /* ---- ABI 2: read only when abi_version >= 2; all-zero means "as in ABI 1" ---- */
-  int64_t elem_bytes; /* bytes of one element of a head (a divisor of head_bytes);
-                         0: each head is one contiguous run of head_bytes */
+  int64_t elem_bytes;               /* bytes of one element of a head (a divisor of head_bytes);
+                                       0: each head is one contiguous run of head_bytes */
   const int64_t* component_strides; /* NULL: every component uses stride_page,
                          stride_token, stride_head (and stride_elem = elem_bytes).
                          Else num_components rows of four byte strides
                          {page, token, head, elem}, host memory, read during the
                          call that takes the descriptor. */
-  void* const* component_base; /* NULL: bases from layer_base and stride_component.
-                         Else num_layers * num_components host-readable pointers,
-                         component_base[l * num_components + c]; layer_base and
-                         stride_component are then not read. */
+  void* const* component_base;      /* NULL: bases from layer_base and stride_component.
+                              Else num_layers * num_components host-readable pointers,
+                              component_base[l * num_components + c]; layer_base and
+                              stride_component are then not read. */
 } kvb_cache_desc;
 
 /* A token range, layer range and head range of one request, and where its

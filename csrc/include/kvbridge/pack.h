@@ -74,8 +74,7 @@ void kvb_cache_destroy(kvb_cache* cache); /* NULL is ignored */
 /* Check `range` against the cache and copy the block-table entries it covers
  * (range->block_table is not read afterwards); for a CUDA cache also stage
  * them to the device (synchronously, once).  The cache must outlive the plan. */
-int kvb_plan_create(const kvb_cache* cache, const kvb_range* range, int32_t flags,
-                    kvb_plan** out);
+int kvb_plan_create(const kvb_cache* cache, const kvb_range* range, int32_t flags, kvb_plan** out);
 void kvb_plan_destroy(kvb_plan* plan); /* NULL is ignored */
 /* Bytes of the plan's wire buffer (0 for NULL). */
 uint64_t kvb_plan_wire_nbytes(const kvb_plan* plan);
