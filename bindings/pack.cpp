@@ -160,10 +160,11 @@ bool wire_fits(int device, const Wire& wire, uint64_t nbytes, Result* err) {
 template <bool kPack, typename Wire>
 Result run(const CacheDesc& desc, const Table& table, int64_t token_start, int64_t token_end,
            int32_t layer_start, int32_t layer_end, uint64_t wire_offset, Wire wire, uint64_t nbytes,
-           int32_t num_threads, uint64_t stream) {
+           int32_t num_threads, uint64_t stream, int32_t head_start, int32_t head_end) {
   Result err;
   if (!wire_fits(desc.get()->device, wire, nbytes, &err)) return err;
-  const kvb_range r = make_range(table, token_start, token_end, layer_start, layer_end);
+  const kvb_range r =
+      make_range(table, token_start, token_end, layer_start, layer_end, head_start, head_end);
   const kvb_exec ex{num_threads, stream};
   const bool cuda = desc.get()->device >= 0;
   int rc;
@@ -283,12 +284,14 @@ void register_pack(nb::module_& m) {
   m.def("pack", &run<true, WireOut>, nb::arg("desc"), nb::arg("block_table").noconvert(),
         nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"),
         nb::arg("wire_offset"), nb::arg("out").noconvert(), nb::arg("nbytes"),
-        nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("num_threads"), nb::arg("stream"), nb::arg("head_start") = 0,
+        nb::arg("head_end") = 0,
         "Per call: gather wire bytes [wire_offset, +nbytes) into out; returns (status, message).");
   m.def("unpack", &run<false, WireIn>, nb::arg("desc"), nb::arg("block_table").noconvert(),
         nb::arg("token_start"), nb::arg("token_end"), nb::arg("layer_start"), nb::arg("layer_end"),
         nb::arg("wire_offset"), nb::arg("src").noconvert(), nb::arg("nbytes"),
-        nb::arg("num_threads"), nb::arg("stream"),
+        nb::arg("num_threads"), nb::arg("stream"), nb::arg("head_start") = 0,
+        nb::arg("head_end") = 0,
         "Per call: scatter wire bytes [wire_offset, +nbytes) from src; returns (status, message).");
   m.def(
       "validate",

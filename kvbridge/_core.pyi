@@ -70,6 +70,8 @@ def pack(
     nbytes: int,
     num_threads: int,
     stream: int,
+    head_start: int = 0,
+    head_end: int = 0,
 ) -> tuple[int, str]: ...
 def unpack(
     desc: CacheDesc,
@@ -83,6 +85,8 @@ def unpack(
     nbytes: int,
     num_threads: int,
     stream: int,
+    head_start: int = 0,
+    head_end: int = 0,
 ) -> tuple[int, str]: ...
 def validate(
     desc: CacheDesc,

@@ -25,6 +25,7 @@ leaves every buffer untouched.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import sys
 from collections.abc import Mapping, Sequence
@@ -191,9 +192,7 @@ class PagedKVCache:
                 )
             num_pages = _pages_from_shape(layout, shape[1:])
             if shape != layout.cache_shape(num_pages):
-                raise ShapeError(
-                    f"stacked cache shape {shape} != {layout.cache_shape(num_pages)}"
-                )
+                raise ShapeError(f"stacked cache shape {shape} != {layout.cache_shape(num_pages)}")
             all_strides = _byte_strides(arrays[0])
             layer_step, inner = all_strides[0], all_strides[1:]
             base = _data_ptr(arrays[0])
@@ -486,7 +485,9 @@ class PagedKVCache:
             memory=f"sglang-{kind}:page={s.page}:token={s.token}:head={s.head}",
         )
         L = len(ks)
-        rows_of = [[_data_ptr(ks[i])] + ([] if vs is None else [_data_ptr(vs[i])]) for i in range(L)]
+        rows_of = [
+            [_data_ptr(ks[i])] + ([] if vs is None else [_data_ptr(vs[i])]) for i in range(L)
+        ]
         sources = [[(i, 0)] + ([] if vs is None else [(L + i, 0)]) for i in range(L)]
         cache = cls.__new__(cls)
         cache._init(
@@ -722,9 +723,7 @@ class PagedKVCache:
         writable: bool = True,
     ) -> KVRange:
         """The validated range of one transfer (see :class:`KVRange`)."""
-        return KVRange(
-            self, block_table, start, end, layers=layers, heads=heads, writable=writable
-        )
+        return KVRange(self, block_table, start, end, layers=layers, heads=heads, writable=writable)
 
     def _kernel_table(
         self, table: np.ndarray[Any, np.dtype[np.int32]], start: int, end: int
@@ -782,21 +781,16 @@ class KVRange:
         writable: bool = True,
     ) -> None:
         core = _require_core()
-        if not isinstance(cache, PagedKVCache):
-            raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-        lay = cache.layout
-        s, e = _token_range(start, end)
-        l0, l1 = lay.layer_range(layers)
-        h0, h1 = lay.check_heads(heads)
-        table = cache._kernel_table(_block_table(block_table), s, e)
-        rel = (0, 0) if (h0, h1) == lay.head_range else (h0 - lay.head_start, h1 - lay.head_start)
-        rc, msg, plan = core.make_plan(cache._desc, table, s, e, l0, l1, rel[0], rel[1], writable)
+        a = _RangeArgs(cache, block_table, start, end, layers, heads)
+        rc, msg, plan = core.make_plan(
+            cache._desc, a.table, a.start, a.end, *a.layers, *a.core_heads, writable
+        )
         raise_for_status(rc, msg)
         self._cache = cache
         self._plan = plan
-        self.start, self.end = s, e
-        self.layers = (l0, l1)
-        self.heads = (h0, h1)
+        self.start, self.end = a.start, a.end
+        self.layers = a.layers
+        self.heads = a.heads
         self.writable = bool(writable)
         self.nbytes: int = int(plan.nbytes)
 
@@ -898,6 +892,32 @@ class KVRange:
         )
 
 
+class _RangeArgs:
+    """A range's arguments checked and converted for the core (head range
+    relative to the cache's heads, 0, 0 for all; kernel-page int32 table)."""
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None,
+        heads: tuple[int, int] | None,
+    ) -> None:
+        if not isinstance(cache, PagedKVCache):
+            raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        lay = cache.layout
+        self.start, self.end = _token_range(start, end)
+        self.layers = lay.layer_range(layers)
+        self.heads = lay.check_heads(heads)
+        h0, h1 = self.heads
+        self.core_heads = (
+            (0, 0) if self.heads == lay.head_range else (h0 - lay.head_start, h1 - lay.head_start)
+        )
+        self.table = cache._kernel_table(_block_table(block_table), self.start, self.end)
+
+
 # ---- construction helpers ------------------------------------------------------------
 def _check_arrays(arrays: list[Any]) -> tuple[str, str]:
     """(backend, device) of a homogeneous list of numpy arrays or torch tensors."""
@@ -976,12 +996,13 @@ def _vllm_memory_key(split: str, bases: list[int], sb: int, sh: int, sn: int) ->
     """Names a vLLM cache's arrangement: the physical order of its axes (one
     of vLLM's KVCacheLayout names when it is one) and the strides that a
     byte-for-byte copy between two caches depends on."""
-    steps = {b - a for a, b in zip(bases, bases[1:], strict=False)}
+    steps = {b - a for a, b in itertools.pairwise(bases)}
     layer_step = steps.pop() if len(steps) == 1 and bases[1] > bases[0] else None
     axes = [("B", sb), ("H", sh), ("N", sn)]
     # Layers in their own regions (or one layer) are outermost.
     order = "".join(
-        n for n, _ in sorted(axes + ([("L", layer_step)] if layer_step else []), key=lambda a: -a[1])
+        n
+        for n, _ in sorted(axes + ([("L", layer_step)] if layer_step else []), key=lambda a: -a[1])
     )
     if layer_step is None or layer_step > max(sb, sh, sn):
         order = "L" + order.replace("L", "")
@@ -1137,6 +1158,7 @@ def xxh3_64(data: Any) -> int:
     """XXH3-64 (seed 0) of a host buffer's bytes, computed by the pack core:
     equal to ``xxhash.xxh3_64_intdigest`` of the same bytes."""
     core = _require_core()
+    arr: Any
     if isinstance(data, (bytes, bytearray, memoryview)):
         arr = np.frombuffer(data, dtype=np.uint8)
     elif isinstance(data, np.ndarray):
@@ -1176,6 +1198,11 @@ def pack(
     """
     if not isinstance(cache, PagedKVCache):
         raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    if cache.is_cuda:  # one call: stage in stream order instead of making a plan
+        return _once_cuda(
+            True, cache, block_table, start, end, layers, heads, out, offset, nbytes,
+            num_threads, stream, checksum,
+        )  # fmt: skip
     rng = KVRange(cache, block_table, start, end, layers=layers, heads=heads, writable=False)
     return rng.pack(
         out, offset=offset, nbytes=nbytes, num_threads=num_threads, stream=stream, checksum=checksum
@@ -1205,6 +1232,12 @@ def unpack(
     """
     if not isinstance(cache, PagedKVCache):
         raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    if cache.is_cuda:
+        _once_cuda(
+            False, cache, block_table, start, end, layers, heads, src, offset, nbytes,
+            num_threads, stream, expect_checksum is not None,
+        )  # fmt: skip
+        return
     rng = KVRange(cache, block_table, start, end, layers=layers, heads=heads, writable=True)
     rng.unpack(
         src,
@@ -1214,3 +1247,49 @@ def unpack(
         stream=stream,
         expect_checksum=expect_checksum,
     )
+
+
+def _once_cuda(
+    packing: bool,
+    cache: PagedKVCache,
+    block_table: Any,
+    start: int,
+    end: int,
+    layers: tuple[int, int] | None,
+    heads: tuple[int, int] | None,
+    buf: Any,
+    offset: int,
+    nbytes: int | None,
+    num_threads: int,
+    stream: Any,
+    checksum: bool,
+) -> Any:
+    """One pack or unpack of a CUDA cache through the per-call entry points,
+    which stage the block table in stream order (a KVRange stages it once)."""
+    core = _require_core()
+    a = _RangeArgs(cache, block_table, start, end, layers, heads)
+    total = cache.layout.wire_nbytes(a.end - a.start, a.layers, a.heads)
+    if checksum:
+        raise Unavailable("the checksum in the copy is computed on the CPU path only")
+    threads = _threads(num_threads)
+    if packing:
+        off, n = _slice(total, offset, nbytes)
+        handle = _stream(cache, stream)
+        out = _new_buffer(cache, n) if buf is None else buf
+        view = _as_bytes(out, writable=True, cache=cache, what="out")
+        if _nbytes(view) < n:
+            raise BufferTooSmall(f"out holds {_nbytes(view)} bytes; the slice needs {n}")
+        rc, msg = core.pack(cache._desc, a.table, a.start, a.end, *a.layers, off, view, n,
+                            threads, handle, *a.core_heads)  # fmt: skip
+        raise_for_status(rc, msg)
+        return out
+    view = _as_bytes(buf, writable=False, cache=cache, what="src")
+    have = _nbytes(view)
+    if nbytes is not None and _index(nbytes, "nbytes") > have:
+        raise BufferTooSmall(f"src holds {have} bytes; nbytes={nbytes}")
+    off, n = _slice(total, offset, have if nbytes is None else nbytes)
+    handle = _stream(cache, stream)
+    rc, msg = core.unpack(cache._desc, a.table, a.start, a.end, *a.layers, off, view, n,
+                          threads, handle, *a.core_heads)  # fmt: skip
+    raise_for_status(rc, msg)
+    return None

@@ -118,7 +118,9 @@ def test_a_wrong_checksum_leaves_exactly_the_slice_undefined() -> None:
     # Every byte outside the slice's slots is as before: restore the slice in
     # both and compare whole caches.
     rng.unpack(wire[a : a + n], offset=a, expect_checksum=good_sum)
-    ref_unpack(expect, bt, start, end, _slice_into(ref_pack(expect, bt, start, end).numpy(), wire, a, n))
+    ref_unpack(
+        expect, bt, start, end, _slice_into(ref_pack(expect, bt, start, end).numpy(), wire, a, n)
+    )
     for x, y in zip(dst.layer_views(), expect.layer_views(), strict=True):
         assert x.tobytes() == y.tobytes()
     # A right slice with a wrong expectation is refused the same way.

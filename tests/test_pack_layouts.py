@@ -13,7 +13,6 @@ import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
@@ -107,7 +106,9 @@ def _sglang(hnd: bool, mla: bool, page: int, pages: int, seed: int) -> Made:
     return Made(cache, bases, write, read)
 
 
-def _native(order: str, head: str, stacked: bool, mla: bool, page: int, pages: int, seed: int) -> Made:
+def _native(
+    order: str, head: str, stacked: bool, mla: bool, page: int, pages: int, seed: int
+) -> Made:
     lay = KVLayout(
         num_layers=LAYERS, num_kv_heads=1 if mla else HEADS, head_dim=DIM, dtype="bf16",
         page_tokens=page, order=order, head_order="NHD" if mla else head, stacked=stacked, mla=mla,
@@ -117,15 +118,16 @@ def _native(order: str, head: str, stacked: bool, mla: bool, page: int, pages: i
     return Made(cache, [a.view(torch.uint8).reshape(-1) for a in arrays])
 
 
+def _vllm_kind(order: str, block: int) -> Callable[[int, int], Made]:
+    return lambda pages, seed: _vllm(order, "last_dim", False, block, pages, seed)
+
+
 KINDS: dict[str, Callable[[int, int], Made]] = {
     "kv_first-NHD": lambda p, s: _native("kv_first", "NHD", False, False, 4, p, s),
     "kv_first-HND-stacked": lambda p, s: _native("kv_first", "HND", True, False, 5, p, s),
     "page_first-NHD-stacked": lambda p, s: _native("page_first", "NHD", True, False, 8, p, s),
     "page_first-HND": lambda p, s: _native("page_first", "HND", False, False, 16, p, s),
-    **{
-        f"vllm-{o}": (lambda o: lambda p, s: _vllm(o, "last_dim", False, 4 + 4 * (i % 2), p, s))(o)
-        for i, o in enumerate(VLLM_LAYOUTS)
-    },
+    **{f"vllm-{o}": _vllm_kind(o, 4 + 4 * (i % 2)) for i, o in enumerate(VLLM_LAYOUTS)},
     "vllm-cpu-LBHNC": lambda p, s: _vllm("LBHNC", "cpu", False, 8, p, s),
     "sglang-NHD": lambda p, s: _sglang(False, False, 4, p, s),
     "sglang-HND": lambda p, s: _sglang(True, False, 16, p, s),
@@ -159,7 +161,10 @@ def _expected_wire(k: torch.Tensor, v: torch.Tensor | None) -> np.ndarray:
 
 def _slots(cache: PagedKVCache, table: list[int]) -> torch.Tensor:
     t = torch.arange(START, END)
-    return torch.tensor(table)[t // cache.block_tokens] * cache.layout.page_tokens + t % cache.layout.page_tokens
+    return (
+        torch.tensor(table)[t // cache.block_tokens] * cache.layout.page_tokens
+        + t % cache.layout.page_tokens
+    )
 
 
 def _cuts(total: int, rng: random.Random) -> list[tuple[int, int]]:

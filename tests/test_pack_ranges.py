@@ -47,7 +47,9 @@ def test_manager_blocks_map_to_kernel_blocks(order: str, ratio: int) -> None:
     # Independent of the core: token t of manager block b sits in kernel block
     # b * ratio + (t % manager) // kernel, slot t % kernel.
     t = torch.arange(start, end)
-    slots = (torch.tensor(table)[t // manager] * ratio + (t % manager) // kernel) * kernel + t % kernel
+    slots = (
+        torch.tensor(table)[t // manager] * ratio + (t % manager) // kernel
+    ) * kernel + t % kernel
     k, v = read_vllm(caches, slots, 16)
     want = torch.stack([k, v], dim=1).contiguous().view(torch.uint8).reshape(-1)
     got = cache.range(table, start, end).pack()
@@ -124,7 +126,9 @@ def test_head_ranges_p2_to_d1_and_p1_to_d2() -> None:
         cache, caches = _tp_cache(2, rank, 8, 10 + rank)
         h0, h1 = cache.layout.head_range
         table = [7, 2, 5, 0, 3]
-        write_vllm(caches, torch.tensor(table)[t // 16] * 16 + t % 16, k[:, :, h0:h1], v[:, :, h0:h1])
+        write_vllm(
+            caches, torch.tensor(table)[t // 16] * 16 + t % 16, k[:, :, h0:h1], v[:, :, h0:h1]
+        )
         senders.append((cache, table))
     # D = 1 decode rank holding all heads accepts each sender's heads.
     recv, recv_caches = _tp_cache(1, 0, 9, 20)
@@ -150,7 +154,9 @@ def test_head_ranges_p2_to_d1_and_p1_to_d2() -> None:
         dk, dv = read_vllm(d_caches, torch.tensor(dtable)[t // 16] * 16 + t % 16, 32)
         h0, h1 = heads
         assert torch.equal(dk.view(torch.int16), k[:, :, h0:h1].view(torch.int16))
-        assert dv is not None and torch.equal(dv.view(torch.int16), v[:, :, h0:h1].view(torch.int16))
+        assert dv is not None and torch.equal(
+            dv.view(torch.int16), v[:, :, h0:h1].view(torch.int16)
+        )
         assert torch.equal(wire, ref_pack(recv, rtable, start, end, heads=heads))
 
 

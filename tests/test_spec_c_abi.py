@@ -15,7 +15,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = [
-    "status", "validate", "runs", "thread_pool", "xxh3", "plan", "pack_cpu", "pack_cuda_absent",
+    "status",
+    "validate",
+    "runs",
+    "thread_pool",
+    "xxh3",
+    "plan",
+    "pack_cpu",
+    "pack_cuda_absent",
 ]
 
 pytestmark = pytest.mark.skipif(

@@ -31,8 +31,6 @@ are the two halves of one ``[2, padded, heads, head_dim]`` allocation; with
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = [
@@ -147,7 +145,11 @@ def write_vllm(
 
 
 def read_vllm(
-    caches: list[torch.Tensor], slots: torch.Tensor, head_size: int, *, mla: bool = False,
+    caches: list[torch.Tensor],
+    slots: torch.Tensor,
+    head_size: int,
+    *,
+    mla: bool = False,
     kv_split: str = "last_dim",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The token values at ``slots`` as vLLM's attention backends read them:

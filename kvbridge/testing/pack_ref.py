@@ -17,7 +17,7 @@ import torch
 
 from ..pack import PagedKVCache
 
-__all__ = ["ref_pack", "ref_unpack", "ref_slots"]
+__all__ = ["ref_pack", "ref_slots", "ref_unpack"]
 
 
 def _as_torch(x: Any) -> torch.Tensor:

@@ -834,6 +834,8 @@ class UcxAgent:
             )
             self._send_msg(peer, req)
             cache = self._paged_cache()
+            # A real PagedKVCache checks the range once; a stand-in packer packs per call.
+            rng = cache.range(bt, start, end, layers=(l0, l1)) if hasattr(cache, "range") else None
             done = 0
             while not h.done():
                 ready = await q.get()
@@ -843,7 +845,10 @@ class UcxAgent:
                 if n <= 0 and total > 0:
                     raise RemoteProtocolError("peer offered an empty staging slot")
                 out = self._staging[slot : slot + n]
-                pack(cache, bt, start, end, layers=(l0, l1), out=out, offset=done, nbytes=n)
+                if rng is not None:
+                    rng.pack(out, offset=done, nbytes=n)
+                else:
+                    pack(cache, bt, start, end, layers=(l0, l1), out=out, offset=done, nbytes=n)
                 last = done + n >= total
                 chunk = Message(
                     Kind.STAGE_CHUNK,
@@ -893,6 +898,11 @@ class UcxAgent:
             if req.nbytes != expected:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
+            rng = (
+                cache.range(ex.block_table, req.start, req.end, layers=(req.l0, req.l1))
+                if hasattr(cache, "range")
+                else None
+            )
             got = 0
             while not h.done():
                 ready = Message(
@@ -912,15 +922,18 @@ class UcxAgent:
                 ):
                     raise RemoteProtocolError("staging chunk out of order or too large")
                 src = self._staging[slot : slot + chunk.length]
-                unpack(
-                    cache,
-                    ex.block_table,
-                    req.start,
-                    req.end,
-                    src,
-                    layers=(req.l0, req.l1),
-                    offset=chunk.offset,
-                )
+                if rng is not None:
+                    rng.unpack(src, offset=chunk.offset)
+                else:
+                    unpack(
+                        cache,
+                        ex.block_table,
+                        req.start,
+                        req.end,
+                        src,
+                        layers=(req.l0, req.l1),
+                        offset=chunk.offset,
+                    )
                 got += chunk.length
                 h.stats.chunks += 1
                 h.stats.bytes += chunk.length
