@@ -21,8 +21,9 @@ namespace {
 
 int g_failures = 0;
 int g_checks = 0;
-int g_vector_runs = 0;  // emulated kernel calls on the 16-byte path
-int g_byte_runs = 0;    // ... on the byte path
+int g_vector_runs = 0;   // emulated kernel calls on the 16-byte path
+int g_byte_runs = 0;     // ... on the byte path
+int g_packed_cases = 0;  // ABI 2 caches with K and V side by side in each slot
 
 #define CHECK(cond, ...)                                                   \
   do {                                                                     \
@@ -426,7 +427,8 @@ struct V2Cache {
   int64_t E, eb, pt, P;
   std::vector<std::vector<uint8_t>> blocks;  // one allocation per (layer, component)
   std::vector<void*> bases;
-  std::vector<int64_t> strides;  // C x {page, token, head, elem}
+  std::vector<std::pair<size_t, int64_t>> where;  // (block, offset) of each base
+  std::vector<int64_t> strides;                   // C x {page, token, head, elem}
   kvb_cache_desc desc{};
 
   uint8_t* addr(int32_t l, int32_t c, int64_t page, int64_t slot, int64_t h, int64_t e) const {
@@ -447,14 +449,27 @@ V2Cache make_v2(std::mt19937_64& rng) {
   v.pt = 1 + static_cast<int64_t>(rng() % 6);
   v.P = 3 + static_cast<int64_t>(rng() % 6);
   int64_t extent = 0;
+  // Sometimes K and V side by side in each slot, as vLLM packs them.
+  const bool packed = v.C == 2 && rng() % 3 == 0;
+  g_packed_cases += packed ? 1 : 0;
   for (int32_t c = 0; c < v.C; ++c) {
+    if (packed && c == 1) {
+      for (int i = 0; i < 4; ++i) v.strides.push_back(v.strides[static_cast<size_t>(i)]);
+      break;
+    }
     // A random physical order of (page, token, head, element), dense plus padding.
     int order[4] = {0, 1, 2, 3};
     std::shuffle(order, order + 4, rng);
     const int64_t count[4] = {v.P, v.pt, v.H, v.E};
     int64_t st[4] = {0, 0, 0, 0};
     int64_t cur = v.eb;
-    for (int i = 3; i >= 0; --i) {
+    if (packed) {  // elements innermost, then the two components
+      std::rotate(order, std::find(order, order + 4, 3), order + 4);
+      std::rotate(order, order + 1, order + 4);  // element last
+      st[3] = v.eb;
+      cur = 2 * v.E * v.eb;
+    }
+    for (int i = packed ? 2 : 3; i >= 0; --i) {
       const int ax = order[i];
       st[ax] = cur + v.eb * static_cast<int64_t>(rng() % 2);  // sometimes padded
       cur = st[ax] * count[ax];
@@ -466,7 +481,12 @@ V2Cache make_v2(std::mt19937_64& rng) {
     for (int32_t c = 0; c < v.C; ++c) {
       v.blocks.emplace_back(static_cast<size_t>(extent + 64));
       for (auto& b : v.blocks.back()) b = static_cast<uint8_t>(rng());
-      v.bases.push_back(v.blocks.back().data() + (rng() % 7));
+      if (packed && c == 1) {  // V right after K in the layer's block
+        v.where.emplace_back(v.where.back().first, v.where.back().second + v.E * v.eb);
+      } else {
+        v.where.emplace_back(v.blocks.size() - 1, static_cast<int64_t>(rng() % 7));
+      }
+      v.bases.push_back(v.blocks[v.where.back().first].data() + v.where.back().second);
     }
   }
   kvb_cache_desc& d = v.desc;
@@ -564,10 +584,8 @@ void test_v2_plans() {
     // checksums (one of them wrong first).
     V2Cache w = v;
     for (size_t i = 0; i < w.blocks.size(); ++i) {
-      const auto shift =
-          v.bases[i] == nullptr ? 0 : static_cast<uint8_t*>(v.bases[i]) - v.blocks[i].data();
-      w.bases[i] = w.blocks[i].data() + shift;
       for (auto& b : w.blocks[i]) b = static_cast<uint8_t>(rng());
+      w.bases[i] = w.blocks[w.where[i].first].data() + w.where[i].second;
     }
     w.desc.component_base = w.bases.data();
     w.desc.component_strides = w.strides.data();
@@ -599,7 +617,7 @@ void test_v2_plans() {
       V2Cache e = w;
       e.blocks = expect;
       for (size_t i = 0; i < e.blocks.size(); ++i) {
-        e.bases[i] = e.blocks[i].data() + (static_cast<uint8_t*>(w.bases[i]) - w.blocks[i].data());
+        e.bases[i] = e.blocks[e.where[i].first].data() + e.where[i].second;
       }
       const int64_t h0 = r.head_start, h1 = r.head_end == 0 ? v.H : r.head_end;
       size_t pos = 0;
@@ -627,6 +645,7 @@ void test_v2_plans() {
     kvb_cache_destroy(cache);
   }
   CHECK(cases > 250, "v2 cases run: %d", cases);
+  CHECK(g_packed_cases > 20, "packed K|V cases run: %d", g_packed_cases);
 }
 
 void test_v2_errors() {
