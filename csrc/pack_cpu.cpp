@@ -126,7 +126,7 @@ void move_elems_typed(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g,
       uint8_t* we = wh + e * static_cast<int64_t>(sizeof(T));
       uint8_t* ce = ch + e * s.elem;
       for (int64_t i = 0; i < n; ++i) {
-        move<kPack, kNt>(we + i * tokb, ce + i * s.token, sizeof(T));
+        move<kPack, false>(we + i * tokb, ce + i * s.token, sizeof(T));  // element stores
       }
     }
   }
