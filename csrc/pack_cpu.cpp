@@ -27,6 +27,7 @@ constexpr int kMaxThreads = 64;
 constexpr std::ptrdiff_t kPrefetchRuns = 4;  // runs ahead
 constexpr int64_t kPrefetchBytes = 2048;     // of each run's head
 constexpr uint64_t kHashWindow = uint64_t{32} << 10;
+constexpr uint64_t kPairHashBytes = uint64_t{4} << 20;  // a layer's K and V, hashed from cache
 // Slices this large are written with streaming stores: they outgrow the caches
 // (and a checksummed slice, hashed from cache, never is).
 constexpr uint64_t kStreamBytes = uint64_t{8} << 20;  // copied, then hashed while in cache
@@ -389,8 +390,20 @@ int run_plan(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbyte
   const uint64_t lo = wire_offset, hi = wire_offset + nbytes;
   if (digest != nullptr || expect != nullptr) {
     Xxh3Stream h;
-    for (uint64_t w = lo; w < hi; w += kHashWindow) {
-      const uint64_t e = std::min(hi, w + kHashWindow);
+    // A layer whose K and V are copied in one pass (move_pair) goes whole when
+    // its two blocks fit in cache: copied, then hashed from there.
+    const uint64_t pair = 2 * static_cast<uint64_t>(p.g.block_bytes);
+    const bool pairs = j.paired && pair > 0 && pair <= kPairHashBytes;
+    for (uint64_t w = lo; w < hi;) {
+      uint64_t e = std::min(hi, w + kHashWindow);
+      if (pairs) {
+        const uint64_t next = (w / pair + 1) * pair;
+        if (w % pair == 0 && w + pair <= hi) {
+          e = w + pair;
+        } else if (next < e) {
+          e = next;  // stop at the next layer, which may then go whole
+        }
+      }
       const uint8_t* bytes = j.wire + (w - lo);
       if (kPack) {
         move_slice<kPack, false>(j, w, e);
@@ -399,6 +412,7 @@ int run_plan(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbyte
         h.update(bytes, e - w);
         move_slice<kPack, false>(j, w, e);
       }
+      w = e;
     }
     const uint64_t d = h.digest();
     if (digest != nullptr) *digest = d;

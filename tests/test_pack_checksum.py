@@ -150,3 +150,32 @@ def test_checksum_for_transposed_and_strided_vllm_caches() -> None:
         out, digest = cache.range(bt, 17, 12 * 32 - 3).pack(checksum=True)
         assert np.array_equal(out.numpy(), ref)
         assert digest == xxhash.xxh3_64_intdigest(ref.tobytes())
+
+
+def test_checksum_over_whole_layers_of_packed_kv() -> None:
+    """vLLM's packed K|V copies a layer's K and V in one pass; with a
+    checksum, whole layers go that way too, and the digest stays the wire's."""
+    caches = vllm_kv_caches(
+        num_layers=3, num_blocks=10, num_kv_heads=2, block_size=16, head_size=64,
+        dtype=torch.float16, layout="BLHNC",
+    )  # fmt: skip
+    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    cache = PagedKVCache.from_vllm(caches)
+    bt = [7, 2, 9, 0, 5, 1]
+    ref = ref_pack(cache, bt, 0, 96).numpy()
+    rng = cache.range(bt, 0, 96)
+    for a, n in [(0, ref.nbytes), (ref.nbytes // 3, ref.nbytes // 3 + 5), (0, ref.nbytes // 6)]:
+        out, digest = rng.pack(np.empty(n, np.uint8), offset=a, nbytes=n, checksum=True)
+        assert np.array_equal(out, ref[a : a + n])
+        assert digest == xxhash.xxh3_64_intdigest(ref[a : a + n].tobytes())
+    other = vllm_kv_caches(
+        num_layers=3, num_blocks=10, num_kv_heads=2, block_size=16, head_size=64,
+        dtype=torch.float16, layout="LBNHC",
+    )  # fmt: skip
+    dst = PagedKVCache.from_vllm(other)
+    into = dst.range(bt, 0, 96)
+    into.unpack(ref, expect_checksum=xxhash.xxh3_64_intdigest(ref.tobytes()))
+    assert np.array_equal(ref_pack(dst, bt, 0, 96).numpy(), ref)
+    with pytest.raises(errors.ChecksumError):
+        into.unpack(ref, expect_checksum=xxhash.xxh3_64_intdigest(ref.tobytes()) ^ 1)
