@@ -285,7 +285,9 @@ void move_pair(const Job& j, TokenShape shape, uint8_t* k_base, int64_t v_off, u
   const int64_t tokb = g.token_bytes;
   const std::vector<TokenRun>& runs = j.p->runs[0];
   for (size_t r = 0; r < runs.size(); ++r) {
-    if (r + kPrefetchRuns < runs.size()) prefetch_run<kPack>(runs[r + kPrefetchRuns], s, k_base);
+    if ((kPack || !kNt) && r + kPrefetchRuns < runs.size()) {
+      prefetch_run<kPack>(runs[r + kPrefetchRuns], s, k_base);
+    }
     const TokenRun& run = runs[r];
     uint8_t* tok = k_base + run.off;
     for (int64_t t = run.t0; t < run.t1; ++t, tok += s.token) {
@@ -331,7 +333,9 @@ void move_slice(const Job& j, uint64_t lo, uint64_t hi) {
     auto it = std::upper_bound(runs.begin(), runs.end(), t_first,
                                [](int64_t t, const TokenRun& r) { return t < r.t1; });
     for (; it != runs.end() && static_cast<uint64_t>(it->t0) * tokb < bhi; ++it) {
-      if (runs.end() - it > kPrefetchRuns) prefetch_run<kPack>(it[kPrefetchRuns], s, comp_base);
+      if ((kPack || !kNt) && runs.end() - it > kPrefetchRuns) {  // streamed stores need none
+        prefetch_run<kPack>(it[kPrefetchRuns], s, comp_base);
+      }
       move_run<kPack, kNt>(j, comp, shape, *it, comp_base, blk_pos, blo, bhi);
     }
     lo = blk_pos + bhi;
