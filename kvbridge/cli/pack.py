@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import KVBridgeError, LayoutError
 from ..layout import DType, KVLayout
 
 KIB = 1024
@@ -263,7 +264,7 @@ def measure(
     check = s.wire.copy()
     s.torch_pack()
     if not np.array_equal(s.wire, check):
-        raise RuntimeError(f"{case.name}: kvbridge pack and the torch code disagree")
+        raise KVBridgeError(f"{case.name}: kvbridge pack and the torch code disagree")
     copier.pack(s.wire, num_threads=n)
     np.copyto(s.wire, check)
     prev = torch.get_num_threads()
@@ -333,7 +334,7 @@ def measure_checksum(
     off, n = chunks[0]
     _, digest = rng.pack(wire[off : off + n], offset=off, nbytes=n, checksum=True)
     if digest != xxhash.xxh3_64_intdigest(wire[off : off + n].data):
-        raise RuntimeError(f"{case.name}: the checksum in the copy differs from xxhash's")
+        raise KVBridgeError(f"{case.name}: the checksum in the copy differs from xxhash's")
     fns = {"fused": fused, "then_core": then_core, "then_xxhash": then_xxhash, "pack": pack_only}
     t = _median_interleaved(fns, reps, warmup, tick)
     return {
@@ -354,7 +355,7 @@ def _component_first(lay: KVLayout, cache: Any) -> list[Any]:
         return [v.unsqueeze(0) for v in views]
     if lay.order.value != "kv_first" or lay.head_order.value != "NHD":
         # Page copies of other orders would not produce the wire layout.
-        raise ValueError("the torch baseline here is written for kv_first NHD caches")
+        raise LayoutError("the torch baseline here is written for kv_first NHD caches")
     return views
 
 
