@@ -330,31 +330,145 @@ def test_a_chunk_damaged_on_the_way_fails_its_check_in_the_copy_and_is_sent_agai
     arun(main(), 60)
 
 
-def test_kv_source_and_sink_use_the_pack_cores_one_pass_where_it_has_one() -> None:
-    pack = pytest.importorskip("kvbridge.pack")
+def _kv_pair(seed: int = 1, tokens: int = 700) -> tuple[Any, Any, Any, Any, Any]:
+    """A random CPU cache, an empty one of another page size and memory
+    order, and their shuffled block tables."""
+    from kvbridge import pack
     from kvbridge.layout import KVLayout
-    from kvbridge.transport.tcp import KVSink, KVSource
-    from kvbridge.transport.tcp.kvio import _checksums_in_copy
 
-    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
-    src = pack.PagedKVCache.allocate(lay, 8, fill="random", seed=1)
-    dst = pack.PagedKVCache.allocate(lay, 8)
-    table = np.arange(8, dtype=np.int32)
-    source, sink = KVSource(src, table, 0, 40, None), KVSink(dst, table, 0, 40, None)
-    one_pass = _checksums_in_copy(pack)
-    assert hasattr(source, "read_checksummed") is one_pass
-    assert hasattr(sink, "write_checksummed") is one_pass
-    if not one_pass:
-        pytest.skip("this pack core has no checksum in the copy")
-    data, ck = source.read_checksummed(0, source.nbytes)
+    lay = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
+    dst_lay = lay.replace(page_tokens=64, order="page_first", head_order="HND")
+    rng = np.random.default_rng(seed)
+    src = pack.PagedKVCache.allocate(lay, 60, fill="random", seed=seed)
+    dst = pack.PagedKVCache.allocate(dst_lay, 20)
+    src_bt = rng.permutation(60)[: lay.pages_for(tokens)].astype(np.int32)
+    dst_bt = rng.permutation(20)[: dst_lay.pages_for(tokens)].astype(np.int32)
+    return pack, src, dst, src_bt, dst_bt
+
+
+def test_kv_source_and_sink_checksum_in_the_pack_cores_copy() -> None:
+    """A CPU KVSource gives each slice with its XXH3-64 from the pack's one
+    pass; a KVSink checks it in the unpack's pass: a wrong checksum is a
+    ChecksumError and unpacking the right bytes there again repairs it."""
     import xxhash
 
-    assert ck == xxhash.xxh3_64_intdigest(data)
-    sink.write_checksummed(0, data, ck)
     from kvbridge.errors import ChecksumError
+    from kvbridge.transport.tcp import KVSink, KVSource
 
+    pack, src, dst, src_bt, dst_bt = _kv_pair()
+    source, sink = KVSource(src, src_bt, 5, 700, None), KVSink(dst, dst_bt, 5, 700, None)
+    assert source.read_checksummed and sink.write_checksummed
+    want = bytes(np.asarray(pack.pack(src, src_bt, 5, 700)))
+    for off, n in [(0, source.nbytes), (3, 65_541), (source.nbytes - 9, 9), (11, 0)]:
+        data, ck = source.read_checksummed(off, n)
+        assert bytes(data) == want[off : off + n] and ck == xxhash.xxh3_64_intdigest(data)
+    data, ck = source.read_checksummed(4096, 100_000)
     with pytest.raises(ChecksumError):
-        sink.write_checksummed(0, data, ck ^ 1)
+        sink.write_checksummed(4096, data, ck ^ 1)
+    sink.write_checksummed(0, memoryview(want), xxhash.xxh3_64_intdigest(want))
+    assert bytes(np.asarray(pack.pack(dst, dst_bt, 5, 700))) == want
+    with pytest.raises(ChecksumError):  # the slice is damaged again, then repaired
+        sink.write_checksummed(4096, memoryview(bytes(100_000)), ck)
+    sink.write_checksummed(4096, data, ck)
+    assert bytes(np.asarray(pack.pack(dst, dst_bt, 5, 700))) == want
+
+
+@pytest.mark.parametrize("chunk", [64 * KiB, 1 << 20])
+def test_kv_pages_cross_the_transport_read_once_on_each_side(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KV pages through the transport with their checksums in the pack
+    core's copies: neither side hashes a chunk in a pass of its own (the
+    sender takes the pack's XXH3-64, the receiver leaves the check to the
+    unpack), and the destination pages end up equal to the source's."""
+    from kvbridge.transport.tcp import KVSink, KVSource
+    from kvbridge.wire import chunk as chunk_mod
+    from kvbridge.wire import codec
+
+    hashed: list[int] = []
+    real = chunk_mod.checksum
+    monkeypatch.setattr(chunk_mod, "checksum", lambda d: hashed.append(len(d)) or real(d))
+    made: list[int] = []
+
+    class Hasher:
+        def __init__(self) -> None:
+            made.append(1)
+
+        def update(self, b: Any) -> None:
+            pass
+
+        def intdigest(self) -> int:
+            return 0
+
+    monkeypatch.setattr(
+        codec, "xxhash", type("X", (), {"xxh3_64": Hasher, "xxh3_64_intdigest": staticmethod(real)})
+    )
+    pack, src, dst, src_bt, dst_bt = _kv_pair(seed=2)
+
+    async def main() -> None:
+        rx, tx = await _pair(streams=2, chunk_size=chunk, compression="off")
+        source, sink = KVSource(src, src_bt, 5, 700, None), KVSink(dst, dst_bt, 5, 700, None)
+        h = rx.expect("kv", sink)
+        st = await tx.send("kv", source, token=h.token).wait(20)
+        await h.wait(20)
+        assert st.bytes == source.nbytes and st.chunks == -(-source.nbytes // chunk)
+        assert hashed == [] and made == []  # no second pass on either side
+        want = bytes(np.asarray(pack.pack(src, src_bt, 5, 700)))
+        assert bytes(np.asarray(pack.pack(dst, dst_bt, 5, 700))) == want
+        await tx.close()
+        await rx.close()
+
+    arun(main(), 60)
+
+
+def test_a_damaged_kv_chunk_fails_the_unpacks_check_and_its_resend_repairs_the_pages() -> None:
+    from kvbridge.sim.emulator import CorruptFrame, FaultProxy
+    from kvbridge.transport.tcp import KVSink, KVSource
+
+    pack, src, dst, src_bt, dst_bt = _kv_pair(seed=3)
+
+    async def main() -> None:
+        rx = await TcpReceiver().start()
+        proxy = FaultProxy(("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])])
+        await proxy.start()
+        host, port = proxy.listen_addr
+        tx = TcpSender(host, port, streams=1, chunk_size=128 * KiB, compression="off")
+        sink = KVSink(dst, dst_bt, 5, 700, None)
+        h = rx.expect("kv", sink)
+        st = await tx.send("kv", KVSource(src, src_bt, 5, 700, None), token=h.token).wait(30)
+        await h.wait(5)
+        assert proxy.stats.frames_corrupted == 1
+        assert st.retries >= 1 and h.stats.bad_chunks == 1
+        want = bytes(np.asarray(pack.pack(src, src_bt, 5, 700)))
+        assert bytes(np.asarray(pack.pack(dst, dst_bt, 5, 700))) == want
+        await tx.close()
+        await proxy.close()
+        await rx.close()
+
+    arun(main(), 60)
+
+
+def test_a_layerwise_source_waits_for_its_layers_in_the_one_pass() -> None:
+    """LayerwiseSource keeps the checksum in the copy, and its one pass
+    still waits for the layers the slice touches."""
+    import threading as th
+
+    from kvbridge.bridge.layerwise import LayerwiseSource
+    from kvbridge.errors import TransferTimeout
+
+    pack, src, _, src_bt, _ = _kv_pair(seed=4)
+    source = LayerwiseSource(src, src_bt, 5, 700, None, layer_timeout=0.2)
+    per_layer = source.nbytes // 4
+    with pytest.raises(TransferTimeout):
+        source.read_checksummed(0, 10)
+    source.mark_ready(1)
+    data, _ = source.read_checksummed(0, per_layer)  # layer 0 only: no wait
+    late = th.Timer(0.05, source.mark_ready, (3,))
+    late.start()
+    data, _ = source.read_checksummed(per_layer, 2 * per_layer)  # waits for layer 2
+    late.join()
+    want = bytes(np.asarray(pack.pack(src, src_bt, 5, 700)))
+    assert bytes(data) == want[per_layer : 3 * per_layer]
 
 
 def test_finished_transfers_do_not_count_against_the_open_transfer_limit() -> None:

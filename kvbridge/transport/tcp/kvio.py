@@ -210,40 +210,31 @@ class _KVBase:
         self.block_table = block_table
         self.start, self.end = start, end
         self.layers = (l0, l1)
-        self.nbytes = int(_pack.wire_nbytes(layout, start, end, (l0, l1)))
+        # Checked once per transfer (block table converted once); each chunk
+        # checks only its slice.
+        self.range = cache.range(
+            block_table, start, end, layers=(l0, l1), writable=isinstance(self, KVSink)
+        )
+        self.nbytes = int(self.range.nbytes)
         self.itemsize = layout.itemsize
         self.layout_hash = layout.compat_hash
         self.token_range = (start, end)
         self.layer_range = (l0, l1)
-        # the pack core's one-pass checksum (CPU caches), where it has one
-        self._one_pass = not getattr(cache, "is_cuda", False) and _checksums_in_copy(_pack)
-
-
-def _checksums_in_copy(pack: Any) -> bool:
-    """Whether ``kvbridge.pack`` packs with a checksum and unpacks with a
-    check in the same pass (``pack(..., checksum=True)`` returns ``(out,
-    xxh3)``; ``unpack(..., expect_checksum=c)`` raises ChecksumError)."""
-    import inspect
-
-    try:
-        return "checksum" in inspect.signature(pack.pack).parameters and (
-            "expect_checksum" in inspect.signature(pack.unpack).parameters
-        )
-    except (TypeError, ValueError):
-        return False
+        # the pack core computes (checks) XXH3-64 in the copy on the CPU path
+        self._one_pass = not getattr(cache, "is_cuda", False)
 
 
 class KVSource(_KVBase):
     """The wire bytes of tokens ``[start, end)`` and ``layers`` of one request,
     packed from a :class:`kvbridge.pack.PagedKVCache` through its block table.
-    A CUDA cache packs into pinned host memory (the device-to-host copy is part
-    of the pack kernel's output), and waits for it."""
+    A CPU cache gives each raw chunk with its XXH3-64 from the pack's one
+    pass (``read_checksummed``).  A CUDA cache packs into pinned host memory
+    (the device-to-host copy is part of the pack kernel's output), and waits
+    for it."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
-        # a subclass that packs its own way (LayerwiseSource waits for its
-        # layers in _pack_to) keeps the two passes
-        if self._one_pass and type(self)._pack_to is KVSource._pack_to:
+        if self._one_pass:
             self.read_checksummed = self._read_checksummed
 
     @property
@@ -252,16 +243,19 @@ class KVSource(_KVBase):
         waits for its kernel and may not."""
         return not getattr(self.cache, "is_cuda", False)
 
+    def _wait_ready(self, offset: int, n: int) -> None:
+        """Called before the bytes ``[offset, offset + n)`` are packed: a
+        subclass whose bytes become ready over time (layer-wise) waits here."""
+
     def _read_checksummed(self, offset: int, n: int) -> tuple[memoryview, int]:
         """A new buffer of the bytes ``[offset, offset + n)`` and their
         XXH3-64, from the pack core's one pass."""
         _check(offset, n, self.nbytes)
+        self._wait_ready(offset, n)
         out = np.empty(n, dtype=np.uint8)
-        _, digest = self._pack.pack(
-            self.cache, self.block_table, self.start, self.end,
-            layers=self.layers, out=out, offset=offset, nbytes=n, checksum=True,
-            num_threads=self.num_threads,
-        )  # fmt: skip
+        _, digest = self.range.pack(
+            out, offset=offset, nbytes=n, checksum=True, num_threads=self.num_threads
+        )
         return out.data, int(digest)
 
     def read(self, offset: int, n: int) -> memoryview:
@@ -287,16 +281,15 @@ class KVSource(_KVBase):
         self._pack_to(np.frombuffer(out, dtype=np.uint8), offset, len(out))
 
     def _pack_to(self, out: Any, offset: int, n: int) -> None:
-        self._pack.pack(
-            self.cache, self.block_table, self.start, self.end,
-            layers=self.layers, out=out, offset=offset, nbytes=n,
-            num_threads=self.num_threads,
-        )  # fmt: skip
+        self._wait_ready(offset, n)
+        self.range.pack(out, offset=offset, nbytes=n, num_threads=self.num_threads)
 
 
 class KVSink(_KVBase):
-    """Unpacks verified chunks straight into the destination pages.  A CUDA
-    cache unpacks from a pinned staging copy and waits for the kernel."""
+    """Unpacks verified chunks straight into the destination pages.  A CPU
+    cache checks a raw chunk's XXH3-64 in the pass that unpacks it
+    (``write_checksummed``).  A CUDA cache unpacks from a pinned staging
+    copy and waits for the kernel."""
 
     flush_on_loop = True  # every write already waited for its kernel: flush() is a no-op
 
@@ -310,11 +303,12 @@ class KVSink(_KVBase):
         hashes to ``checksum`` (ChecksumError: the slice's pages then hold
         unspecified bytes until the chunk's resend is unpacked there)."""
         _check(offset, len(data), self.nbytes)
-        self._pack.unpack(
-            self.cache, self.block_table, self.start, self.end,
-            np.frombuffer(data, dtype=np.uint8), layers=self.layers, offset=offset,
-            expect_checksum=checksum, num_threads=self.num_threads,
-        )  # fmt: skip
+        self.range.unpack(
+            np.frombuffer(data, dtype=np.uint8),
+            offset=offset,
+            expect_checksum=checksum,
+            num_threads=self.num_threads,
+        )
 
     def write(self, offset: int, data: memoryview) -> None:
         _check(offset, len(data), self.nbytes)
@@ -326,16 +320,7 @@ class KVSink(_KVBase):
             stage = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
             stage.numpy()[:] = src
             src = stage
-        self._pack.unpack(
-            self.cache,
-            self.block_table,
-            self.start,
-            self.end,
-            src,
-            layers=self.layers,
-            offset=offset,
-            num_threads=self.num_threads,
-        )
+        self.range.unpack(src, offset=offset, num_threads=self.num_threads)
         if cuda:
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
 
