@@ -95,3 +95,11 @@ def test_tcp_rows_move_the_anchors_workload_intact(scenario: str) -> None:
         assert "error" not in r, (row.name, r.get("error"))
         assert len(r["times"]) == 2
         assert r["ok"] is (None if row.lib == "raw" else True), row.name
+
+
+def test_the_exit_code_fails_only_rows_that_moved_wrong_bytes_or_failed() -> None:
+    from kvbridge.cli.transfer import exit_code
+
+    assert exit_code([{"ok": True}, {"ok": None}]) == 0  # raw rows are not checked
+    assert exit_code([{"ok": True}, {"ok": False}]) == 1
+    assert exit_code([{"ok": True}, {"error": "no samples"}]) == 1
