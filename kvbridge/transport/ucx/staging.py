@@ -180,7 +180,7 @@ class Staging:
             host.post_message(peer, req)
             cache = self._paged_cache()
             done = 0
-            while not h.done():
+            while not h.settled:
                 ready = await q.get()
                 if ready.kind is not Kind.STAGE_READY:
                     raise RemoteProtocolError("expected STAGE_READY")
@@ -248,7 +248,7 @@ class Staging:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
             got = 0
-            while not h.done():
+            while not h.settled:
                 ready = Message(
                     Kind.STAGE_READY,
                     host.agent_id,
