@@ -64,9 +64,6 @@ __all__ = ["UcxAgent"]
 
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
 _TINY = 2  # put_range: the runs are too short, nothing was posted
-# Busy-polls (an inline put, the loop's poll) give the core away after this
-# many microseconds without an event (docs/ucx.md, Progress).
-POLL_YIELD_US = 20
 
 # An op in flight: the handle it completes, or a callback (status) -> None.
 _OpEntry = TransferHandle | Callable[[int], None]
@@ -112,6 +109,7 @@ class UcxAgent:
         progress: str = "thread",
         busy_poll_us: int = 1000,
         put_window: int = 64,
+        poll_yield_us: int = 20,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
@@ -135,6 +133,9 @@ class UcxAgent:
         if not 0 <= put_window <= 1 << 20:
             raise InvalidArgument("put_window must be in [0, 2**20] (0: no limit)")
         self.put_window = int(put_window)
+        if not 0 <= poll_yield_us <= 1_000_000:
+            raise InvalidArgument("poll_yield_us must be in [0, 1e6]")
+        self.poll_yield_us = int(poll_yield_us)
         self.progress_mode = progress
         self.busy_poll_us = int(busy_poll_us)
         self.heartbeat = float(heartbeat)
@@ -158,7 +159,7 @@ class UcxAgent:
         self.epoch = time.time_ns()
         self._engine.set_agent_id(self.agent_id)  # the sender of its DONE messages
         self._engine.set_put_window(self.put_window)
-        self._engine.set_yield_us(POLL_YIELD_US)
+        self._engine.set_yield_us(self.poll_yield_us)
         self._md = AgentMetadata(
             self.agent_id, self.epoch, layout, reg.num_pages, self._engine.address(), reg.regions
         )
@@ -513,7 +514,7 @@ class UcxAgent:
             self.staging.bind()
             if self.progress_mode == "thread":
                 self._progress = ThreadProgress(
-                    self._engine, loop, self._on_events, self.busy_poll_us, POLL_YIELD_US
+                    self._engine, loop, self._on_events, self.busy_poll_us, self.poll_yield_us
                 )
             else:
                 self._progress = LoopProgress(self._engine, loop, self._on_events, self._busy)
