@@ -57,7 +57,7 @@ from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
 from .progress import LoopProgress, Progress, ThreadProgress
 from .regions import Registration, map_engine_error
-from .runs import CacheGeometry, page_pieces, plan_args
+from .runs import CacheGeometry, check_table, plan_args
 from .staging import Staging
 
 __all__ = ["UcxAgent"]
@@ -248,7 +248,7 @@ class UcxAgent:
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
-        page_pieces(self.geometry, bt, start, end, (l0, l1))  # raises PageIndexError
+        check_table(self.geometry, bt, start, end)  # raises PageIndexError
         total = self.layout.wire_nbytes(end - start, (l0, l1))
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
         ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token)
