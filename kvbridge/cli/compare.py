@@ -77,7 +77,9 @@ class Row:
     corrupt: int = 0
 
 
-def rows_for(libs: list[str]) -> list[Row]:
+def rows_for(libs: list[str], put_windows: tuple[int, ...] = ()) -> list[Row]:
+    """The rows of ``libs``; every value of ``put_windows`` adds a kvbridge
+    row with that ``put_window`` (0: no limit)."""
     out: list[Row] = []
     if "kvbridge" in libs:
         out.append(
@@ -86,10 +88,21 @@ def rows_for(libs: list[str]) -> list[Row]:
                 "kvbridge",
                 {},
                 {},
-                "defaults: error_mode=none, 256k TCP segments, progress=thread, busy_poll_us=1000",
+                "defaults: error_mode=none, 256k TCP segments, progress=thread, "
+                "busy_poll_us=1000, put_window=64",
             )
         )
         out.append(Row("kvbridge peer", "kvbridge", {}, {"error_mode": "peer"}, "error_mode=peer"))
+        for w in put_windows:
+            out.append(
+                Row(
+                    f"kvbridge window={w}",
+                    "kvbridge",
+                    {},
+                    {"put_window": w},
+                    f"defaults but put_window={w}" + (" (no limit)" if w == 0 else ""),
+                )
+            )
     if "nixl" in libs:
         out.append(
             Row(
@@ -173,6 +186,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved runs of every row")
     p.add_argument("--loads", default="idle,busy", help="comma list of: idle, busy (one core)")
     p.add_argument("--timeout", type=float, default=600.0, help="per run")
+    p.add_argument(
+        "--put-windows",
+        default="",
+        help="comma list of put_window values: one more kvbridge row each (0: no limit)",
+    )
 
 
 def missing_libraries(libs: list[str]) -> dict[str, str]:
@@ -424,6 +442,7 @@ def compare(
     rounds: int = 1,
     loads: tuple[str, ...] = ("idle",),
     verbose: bool = True,
+    put_windows: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Every row of every (load, scenario, setting).  The rows' processes
     stay up together and take turns: ``rounds`` rounds of one burst of
@@ -434,7 +453,7 @@ def compare(
         with spinning_core(load == "busy"):
             for scen in scens:
                 for setting in settings:
-                    rows = rows_for(libs)
+                    rows = rows_for(libs, put_windows)
                     pairs = _start_pairs(rows, scen, setting, timeout)
                     try:
                         for r in range(rounds):
@@ -568,6 +587,7 @@ def run(args: Any) -> int:
         args.timeout,
         args.rounds,
         tuple(x for x in args.loads.split(",") if x),
+        put_windows=tuple(int(x) for x in args.put_windows.split(",") if x),
     )
     print(format_table(results))
     return 0 if all(r.get("ok", False) for r in results) else 1
