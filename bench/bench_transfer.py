@@ -87,7 +87,7 @@ def test_tcp_rows_move_the_anchors_workload_intact(scenario: str) -> None:
             block_tables="shuffled",
         )
     )  # fmt: skip
-    libs = ["kvbridge", "raw"]
+    libs = ["kvbridge", "kvbridge-2pass", "raw"]
     if importlib.util.find_spec("mooncake") is not None:
         libs.append("mooncake")
     for row in tp.rows_for(libs, streams=2):

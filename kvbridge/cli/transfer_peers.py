@@ -25,16 +25,17 @@ moved wrong bytes shows.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..errors import KVBridgeError, KVBridgeTimeout, PeerGone
+from ..errors import KVBridgeError, KVBridgeTimeout, PeerGone, RemoteProtocolError, Unavailable
 from ..layout import DType
 from . import compare_peers
-from .compare_peers import Scenario, _buffer, _digest, _finish_receiver, _kvb_cache
+from .compare_peers import MOONCAKE_BATCH, Scenario, _buffer, _digest, _kvb_cache
 
 __all__ = ["Row", "rows_for", "run_one"]
 
@@ -226,18 +227,58 @@ def _raw_sender(
     return run(main())
 
 
+# ---- Mooncake's transfer engine (TCP): compare_peers' setup, one run per process pair ----------
+def _mooncake_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
+    buf = _buffer(scen, fill=False)
+    te = compare_peers._mooncake_engine()
+    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise Unavailable("Mooncake register_memory failed")
+    conn.send(("ready", (f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data)))
+    _finish_receiver(conn, buf, scen)  # its writes are synchronous: they landed
+
+
+def _mooncake_sender(
+    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
+) -> list[float]:
+    target, dst_base = info
+    soff, length = scen.pieces(scen.src_bt)
+    doff, _ = scen.pieces(scen.dst_bt)
+    te = compare_peers._mooncake_engine()
+    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+        raise Unavailable("Mooncake register_memory failed")
+    src = (soff + buf.ctypes.data).tolist()
+    dst = (doff + dst_base).tolist()
+    lens = length.tolist()
+    times = []
+    for _ in range(iters + 1):
+        t = time.perf_counter()
+        for i in range(0, len(lens), MOONCAKE_BATCH):
+            j = i + MOONCAKE_BATCH
+            if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
+                raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
+        times.append(time.perf_counter() - t)
+    return times
+
+
 # ---- one run ----------------------------------------------------------------------------------
-_RECEIVERS = {"kvbridge": _kvb_receiver, "raw": _raw_receiver}
-_SENDERS = {"kvbridge": _kvb_sender, "raw": _raw_sender}
+def _finish_receiver(conn: Any, buf: np.ndarray, scen: Scenario) -> None:
+    """Answer the parent's ``("digest",)`` with the destination pieces' digest."""
+    msg = conn.recv()
+    if msg[0] != "digest":
+        raise RemoteProtocolError(f"expected ('digest',), got {msg[0]!r}")
+    off, length = scen.pieces(scen.dst_bt)
+    conn.send(("digest", _digest(buf, off, length)))
+
+
+_RECEIVERS = {"kvbridge": _kvb_receiver, "raw": _raw_receiver, "mooncake": _mooncake_receiver}
+_SENDERS = {"kvbridge": _kvb_sender, "raw": _raw_sender, "mooncake": _mooncake_sender}
 
 
 QUIET = {"GLOG_minloglevel": "2"}  # Mooncake's glog: warnings and errors only
 
 
 def receiver_main(conn: Any, lib: str, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
-    if lib == "mooncake":
-        compare_peers.receiver_main(conn, QUIET, lib, scen, iters, opts)
-        return
+    os.environ.update(QUIET)
     try:
         _RECEIVERS[lib](conn, scen, iters, opts)
     except Exception as e:
@@ -247,9 +288,7 @@ def receiver_main(conn: Any, lib: str, scen: Scenario, iters: int, opts: dict[st
 def sender_main(
     conn: Any, lib: str, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
 ) -> None:
-    if lib == "mooncake":
-        compare_peers.sender_main(conn, QUIET, lib, scen, iters, info, opts)
-        return
+    os.environ.update(QUIET)
     try:
         buf = _buffer(scen, fill=True)
         times = _SENDERS[lib](buf, scen, iters, info, opts)
