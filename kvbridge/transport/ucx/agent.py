@@ -51,6 +51,8 @@ from .messages import (
     abort_code_v2,
     decode_message,
     encode_message,
+    heads_blob,
+    message_heads,
 )
 from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
@@ -149,7 +151,9 @@ class UcxAgent:
             staging_threads,
             packer,
         )
-        self.expectations = Expectations(self._reject, self.staging.start_recv)
+        self.expectations = Expectations(
+            self._reject, self.staging.start_recv, layout.head_range
+        )
         self._hellos = Hellos(self)
         self._peers: dict[bytes, UcxPeer] = {}
         self._by_ep: dict[int, UcxPeer] = {}
@@ -200,22 +204,27 @@ class UcxAgent:
         *,
         timeout: float | None = None,
         peer: UcxPeer | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Expect tokens ``[start, end)`` of ``layers`` of ``request_id`` into our
         pages ``block_table``.  The handle completes when every layer of the
-        range has landed (it may arrive in several layer-range sends)."""
+        range has landed (it may arrive in several layer-range sends).
+        ``heads``: the model's KV heads ``[h0, h1)`` this expectation takes
+        (default all the cache holds); one request may be expected once per
+        head range, each from its own sender."""
         self._loop_now()
         rid = str(request_id)
-        if rid in self.expectations:
-            raise InvalidArgument(f"request {rid!r} is already expected")
+        hr = self.layout.check_heads(heads)  # LayoutError outside the cache's heads
+        if (rid, hr) in self.expectations:
+            raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
         l0, l1 = self.layout.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
         page_pieces(self.geometry, bt, start, end, (l0, l1))  # raises PageIndexError
-        total = self.layout.wire_nbytes(end - start, (l0, l1))
+        total = self.layout.wire_nbytes(end - start, (l0, l1), hr)
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
-        ex = Expect(h, bt, start, end, l0, l1, peer, np.zeros(l1 - l0, dtype=bool))
+        ex = Expect(h, bt, start, end, l0, l1, peer, np.zeros(l1 - l0, dtype=bool), hr)
         h.owner = ex
         self.expectations.add(ex)
         if not h.done():
@@ -446,8 +455,14 @@ class UcxAgent:
             peer.untrack(h)
         if peer is None:
             return
+        blob = heads_blob(owner.heads, self.layout.total_kv_heads) if isinstance(owner, Expect) else b""
         msg = Message(
-            Kind.ABORT, self.agent_id, h.request_id, code=code_for_error(exc), text=str(exc)
+            Kind.ABORT,
+            self.agent_id,
+            h.request_id,
+            code=code_for_error(exc),
+            text=str(exc),
+            blob=blob,
         )
         self.post_message(peer, msg)
 
@@ -546,13 +561,22 @@ class UcxAgent:
             self._peer_gone(peer, PeerGone(f"peer {peer.name[:8]} closed"))
             self.forget(peer)
         elif m.kind in (Kind.DONE, Kind.STAGE_REQ):
-            self.expectations.on_part(peer, m)
+            try:
+                heads = message_heads(m, self.layout.total_kv_heads)
+            except KVBridgeError as e:
+                self._reject(peer, m.rid, e)
+                return
+            self.expectations.on_part(peer, m, heads)
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
             self.staging.on_message(m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
             peer.fail_sends(exc, m.rid)
-            self.expectations.on_abort(peer, m.rid, exc)
+            try:
+                named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
+            except KVBridgeError:
+                named = None  # a malformed head range: every part of the request from it
+            self.expectations.on_abort(peer, m.rid, named, exc)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))
