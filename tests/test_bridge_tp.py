@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from tcp_support import arun
 
 from kvbridge.bridge import (
@@ -112,7 +111,7 @@ def test_tp_sources_and_the_plan_of_a_receiver() -> None:
 def test_a_ticket_carries_its_head_range() -> None:
     t = Ticket(TicketTransport.TCP, "r", 0, 8, 0, 2, 5, token=bytes(16), heads=(4, 8))
     raw = t.encode()
-    assert raw[4] == 2 and raw.endswith(bytes.fromhex("0b00" "810800" "04000000" "08000000"))
+    assert raw[4] == 2 and raw.endswith(bytes.fromhex("0b008108000400000008000000"))
     assert Ticket.decode(raw) == t
     both = Ticket(TicketTransport.UCX, "r", 0, 8, 0, 2, 5, agent_id=b"a" * 16,
                   block_table=(1, 2), model="m", heads=(0, 3))  # fmt: skip
@@ -146,7 +145,9 @@ async def _decode(cache: pack.PagedKVCache, name: str, **kw: Any) -> DecodeBridg
     return await DecodeBridge(cache, identity=name, tcp_listen=("127.0.0.1", 0), **kw).start()
 
 
-async def _prefill(cache: pack.PagedKVCache, name: str, *decodes: tuple[str, DecodeBridge]) -> PrefillBridge:
+async def _prefill(
+    cache: pack.PagedKVCache, name: str, *decodes: tuple[str, DecodeBridge]
+) -> PrefillBridge:
     pre = PrefillBridge(cache, identity=name)
     for dname, d in decodes:
         await pre.connect(dname, PeerConfig("tcp", *d.tcp_address, streams=2, chunk_size=1024))
@@ -327,8 +328,11 @@ def test_sync_bridge_two_prefill_ranks_to_one_decode() -> None:
         p0.send("r", t0, {"md": tickets["p0"]})
         p1.send("r", t1, {"md": tickets["p1"]})
         ev = _poll_until(
-            [md, p0, p1], lambda e: sum(1 for k, who, _ in e if who == "md") >= 1
-            and sum(1 for k, who, _ in e if who != "md") >= 2,
+            [md, p0, p1],
+            lambda e: (
+                sum(1 for k, who, _ in e if who == "md") >= 1
+                and sum(1 for k, who, _ in e if who != "md") >= 2
+            ),
         )
         time.sleep(0.1)
         ev += _poll_until([md, p0, p1], lambda e: True, 0.05)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import ssl as _ssl
 import asyncio
 import operator
+import ssl as _ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,8 +41,7 @@ class Expectation(Delivery):
         """The ticket of an expectation with one sender."""
         if len(self.tickets) != 1:
             raise InvalidArgument(
-                f"this expectation has one ticket per source ({sorted(self.tickets)}): "
-                "use .tickets"
+                f"this expectation has one ticket per source ({sorted(self.tickets)}): use .tickets"
             )
         return next(iter(self.tickets.values()))
 

@@ -21,7 +21,7 @@ import ssl as _ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -366,6 +366,38 @@ class SyncBridge:
         )
 
     # ---- receiving ------------------------------------------------------------------
+    @overload
+    def expect(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        start: int,
+        end: int,
+        *,
+        layers: tuple[int, int] | None = ...,
+        via: str = ...,
+        timeout: float = ...,
+        peer: str = ...,
+        heads: tuple[int, int] | None = ...,
+        sources: None = ...,
+    ) -> bytes: ...
+
+    @overload
+    def expect(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        start: int,
+        end: int,
+        *,
+        layers: tuple[int, int] | None = ...,
+        via: str = ...,
+        timeout: float = ...,
+        peer: str = ...,
+        heads: tuple[int, int] | None = ...,
+        sources: Sequence[tuple[str, tuple[int, int]]],
+    ) -> dict[str, bytes]: ...
+
     def expect(
         self,
         request_id: str | int,
@@ -379,7 +411,7 @@ class SyncBridge:
         peer: str = "",
         heads: tuple[int, int] | None = None,
         sources: Sequence[tuple[str, tuple[int, int]]] | None = None,
-    ) -> Any:
+    ) -> bytes | dict[str, bytes]:
         """Expect tokens ``[start, end)`` of a request into our pages
         ``block_table``; returns the ticket (opaque bytes) for the sender.
         The outcome arrives through :meth:`poll` (``received`` or ``failed``,

@@ -217,7 +217,9 @@ def _decode_extensions(mv: memoryview, off: int) -> tuple[str, tuple[int, int] |
                 raise RemoteProtocolError("ticket model id is not UTF-8") from None
         elif tag == EXT_HEAD_RANGE:
             if length != _HEADS.size:
-                raise RemoteProtocolError(f"ticket head range of {length} bytes (8: u32 h0, u32 h1)")
+                raise RemoteProtocolError(
+                    f"ticket head range of {length} bytes (8: u32 h0, u32 h1)"
+                )
             h0, h1 = _HEADS.unpack(value)
             if h0 >= h1:
                 raise RemoteProtocolError(f"ticket head range [{h0}, {h1}) is empty")

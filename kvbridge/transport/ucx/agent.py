@@ -151,9 +151,7 @@ class UcxAgent:
             staging_threads,
             packer,
         )
-        self.expectations = Expectations(
-            self._reject, self.staging.start_recv, layout.head_range
-        )
+        self.expectations = Expectations(self._reject, self.staging.start_recv, layout.head_range)
         self._hellos = Hellos(self)
         self._peers: dict[bytes, UcxPeer] = {}
         self._by_ep: dict[int, UcxPeer] = {}
@@ -455,7 +453,11 @@ class UcxAgent:
             peer.untrack(h)
         if peer is None:
             return
-        blob = heads_blob(owner.heads, self.layout.total_kv_heads) if isinstance(owner, Expect) else b""
+        blob = (
+            heads_blob(owner.heads, self.layout.total_kv_heads)
+            if isinstance(owner, Expect)
+            else b""
+        )
         msg = Message(
             Kind.ABORT,
             self.agent_id,
