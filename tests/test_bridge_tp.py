@@ -343,6 +343,55 @@ def test_sync_bridge_two_prefill_ranks_to_one_decode() -> None:
         assert got(dc, dt) == m.want()
 
 
+def test_sync_bridge_reports_a_failed_part_once() -> None:
+    """One of two prefill ranks fails (its send is cancelled): the decode's
+    poll() reports the request once, as failed with the typed error, and the
+    other rank's part is cancelled too (its send then fails)."""
+    m = Model()
+    dc, dt = decode((0, H))
+    (c0, t0), (c1, t1) = m.prefill((0, 4)), m.prefill((4, 8))
+    with (
+        SyncBridge(dc, identity="md", tcp_listen=("127.0.0.1", 0)) as md,
+        SyncBridge(c0, identity="p0") as p0,
+        SyncBridge(c1, identity="p1") as p1,
+    ):
+        for p in (p0, p1):
+            p.connect("md", PeerConfig("tcp", "127.0.0.1", md.tcp_port))
+        tickets = md.expect("r", dt, START, N, sources=tp_sources(["p0", "p1"], H))
+        p1.send("r", t1, {"md": tickets["p1"]})
+        p1.cancel("r", "rank 1 lost its pages")
+        ev = _poll_until([md, p1], lambda e: any(who == "md" for _, who, _ in e))
+        p0.send("r", t0, {"md": tickets["p0"]})
+        ev += _poll_until([md, p0], lambda e: any(who == "p0" for _, who, _ in e))
+        time.sleep(0.3)
+        ev += _poll_until([md, p0, p1], lambda e: True, 0.05)
+        at_md = [(k, x) for k, who, x in ev if who == "md"]
+        assert len(at_md) == 1 and at_md[0][0] == "failed", ev
+        assert at_md[0][1].request_id == "r" and isinstance(at_md[0][1].error, TransferAborted)
+        at_p0 = [(k, x) for k, who, x in ev if who == "p0"]
+        assert [k for k, _ in at_p0] == ["failed"], ev  # its part was cancelled
+        assert md.pending == ([], [])
+        assert got(dc, dt) != m.want()
+
+
+def test_ucx_metadata_names_a_ranks_heads() -> None:
+    from kvbridge.transport.ucx.metadata import (
+        AgentMetadata,
+        RegionInfo,
+        RegionKind,
+        decode_metadata,
+        encode_metadata,
+    )
+
+    regions = tuple(RegionInfo(RegionKind.CACHE, i, 4096 * i, 4096, b"rk") for i in range(3))
+    for lay in (MODEL, rank((4, 8)), rank((0, 2), head_order="HND")):
+        blob = encode_metadata(AgentMetadata(bytes(16), 1, lay, 8, b"addr", regions))
+        assert blob[8] == (1 if lay.holds_all_heads else 2)  # version 1: the bytes as before
+        back = decode_metadata(blob).layout
+        assert back == lay and back.head_range == lay.head_range
+        assert back.exact_hash == lay.exact_hash and back.compat_hash == MODEL.compat_hash
+
+
 # ---- UCX ---------------------------------------------------------------------------------
 needs_ucx = pytest.mark.skipif(
     not ucx.available(), reason=f"UCX unavailable: {ucx.unavailable_reason()}"
