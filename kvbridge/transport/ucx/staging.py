@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -127,6 +128,12 @@ class Staging:
             self._pkv = mod.PagedKVCache(self._layout, typed[0] if self._layout.stacked else typed)
         return self._pkv
 
+    def _checks_once(self, cache: Any) -> bool:
+        """Pack through ``cache.range`` (checked once) when the packer is a
+        module whose caches have it (kvbridge.pack); a packer object given
+        as ``packer=`` (a stand-in) is called per chunk, as given."""
+        return isinstance(self._packer, types.ModuleType) and hasattr(cache, "range")
+
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on a staging thread; a cancellation waits for it to return
         (the slot it writes must not be reused before)."""
@@ -213,7 +220,7 @@ class Staging:
             host.post_message(peer, req)
             cache = self._paged_cache()
             kw = self._head_kw(heads)
-            if hasattr(cache, "range"):  # a PagedKVCache checks the range once
+            if self._checks_once(cache):  # a PagedKVCache checks the range once
                 pack_at = cache.range(bt, start, end, layers=(l0, l1), **kw).pack
             else:  # a stand-in packer packs per call
                 pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1), **kw)
@@ -283,7 +290,7 @@ class Staging:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
             bt, kw = ex.block_table, self._head_kw(ex.heads)
-            if hasattr(cache, "range"):  # a PagedKVCache checks the range once
+            if self._checks_once(cache):  # a PagedKVCache checks the range once
                 unpack_at = cache.range(bt, req.start, req.end, layers=layers, **kw).unpack
             else:  # a stand-in packer unpacks per call
                 unpack_at = functools.partial(
