@@ -213,6 +213,36 @@ def test_tcp_one_prefill_to_two_decode_ranks() -> None:
     arun(main(), timeout=60)
 
 
+def test_tcp_layerwise_sends_of_two_prefill_ranks() -> None:
+    """Layer-wise sends of a head range: each rank's layers leave as they are
+    released, and the decode completes once every layer of both ranges landed."""
+
+    async def main() -> None:
+        m = Model()
+        dc, dt = decode((0, H))
+        md = await _decode(dc, "md")
+        (c0, t0), (c1, t1) = m.prefill((0, 4)), m.prefill((4, 8))
+        p0 = await _prefill(c0, "p0", ("md", md))
+        p1 = await _prefill(c1, "p1", ("md", md))
+        try:
+            e = md.expect("r", dt, START, N, sources=tp_sources(["p0", "p1"], H))
+            lw0 = p0.send_layerwise("r", t0, {"md": e.tickets["p0"]}, layer_timeout=20)
+            lw1 = p1.send_layerwise("r", t1, {"md": e.tickets["p1"]}, layer_timeout=20)
+            for n in range(1, MODEL.num_layers + 1):
+                lw0.layers_ready(n)
+                lw1.layers_ready(n)
+                await asyncio.sleep(0.02)
+            await lw0.wait(30)
+            await lw1.wait(30)
+            await e.wait(30)
+            assert got(dc, dt) == m.want()
+        finally:
+            for b in (p0, p1, md):
+                await b.close()
+
+    arun(main(), timeout=60)
+
+
 def test_head_ranges_outside_the_cache_and_empty_intersections_are_refused() -> None:
     async def main() -> None:
         m = Model()
