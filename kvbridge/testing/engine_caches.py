@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, LayoutError
 
 __all__ = [
     "VLLM_LAYOUTS",
@@ -102,13 +102,11 @@ def vllm_kv_caches(
     # create_kv_cache_views, with the kernel block split.
     kbs = block_size if kernel_block_size is None else kernel_block_size
     if block_size % kbs:
-        raise InvalidArgument(f"kernel block size {kbs} must divide block size {block_size}")
+        raise LayoutError(f"kernel block size {kbs} must divide block size {block_size}")
     ratio = block_size // kbs
     if ratio > 1:
         if block_stride != page:
-            raise InvalidArgument(
-                f"{layout} does not store blocks as dense pages: cannot split them"
-            )
+            raise LayoutError(f"{layout} does not store blocks as dense pages: cannot split them")
         block_stride //= ratio
     shape = (num_layers, num_blocks * ratio, heads, kbs, content)
     strides = _layout_strides(shape, order, (layer_stride, block_stride, None, None, None))
@@ -191,7 +189,7 @@ def sglang_mha_buffers(
     rows = size + page_size
     if hnd:
         if rows % page_size:
-            raise InvalidArgument("HND needs (size + page_size) divisible by page_size")
+            raise LayoutError("HND needs (size + page_size) divisible by page_size")
         shape: tuple[int, ...] = (rows // page_size, head_num, page_size, head_dim)
         padded = shape[0]
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -111,6 +110,13 @@ class Staging:
             self._packer = mod
         return self._packer
 
+    @property
+    def _ranges(self) -> bool:
+        """Whether the packer is kvbridge.pack (whose caches make checked ranges),
+        not a stand-in that packs per call (the torch reference, a test's)."""
+        mod = self.pack_module()
+        return getattr(mod, "__name__", "") == f"{__name__.split('.')[0]}.pack"
+
     def require(self, peer: UcxPeer) -> None:
         if self.buffer is None or peer.staging_index is None:
             raise Unavailable("the staging path needs a staging buffer on both agents")
@@ -127,12 +133,6 @@ class Staging:
             typed = [typed_view(self._layout, t) for t in self._tensors]
             self._pkv = mod.PagedKVCache(self._layout, typed[0] if self._layout.stacked else typed)
         return self._pkv
-
-    def _checks_once(self, cache: Any) -> bool:
-        """Pack through ``cache.range`` (checked once) when the packer is a
-        module whose caches have it (kvbridge.pack); a packer object given
-        as ``packer=`` (a stand-in) is called per chunk, as given."""
-        return isinstance(self._packer, types.ModuleType) and hasattr(cache, "range")
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on a staging thread; a cancellation waits for it to return
@@ -220,8 +220,8 @@ class Staging:
             host.post_message(peer, req)
             cache = self._paged_cache()
             kw = self._head_kw(heads)
-            if self._checks_once(cache):  # a PagedKVCache checks the range once
-                pack_at = cache.range(bt, start, end, layers=(l0, l1), **kw).pack
+            if self._ranges:  # kvbridge.pack checks the range once
+                pack_at = cache.range(bt, start, end, layers=(l0, l1), writable=False, **kw).pack
             else:  # a stand-in packer packs per call
                 pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1), **kw)
             done = 0
@@ -290,7 +290,7 @@ class Staging:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
             bt, kw = ex.block_table, self._head_kw(ex.heads)
-            if self._checks_once(cache):  # a PagedKVCache checks the range once
+            if self._ranges:  # kvbridge.pack checks the range once
                 unpack_at = cache.range(bt, req.start, req.end, layers=layers, **kw).unpack
             else:  # a stand-in packer unpacks per call
                 unpack_at = functools.partial(
