@@ -52,6 +52,8 @@ from .messages import (
     abort_code_v2,
     decode_message,
     encode_message,
+    heads_blob,
+    message_heads,
 )
 from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
@@ -70,21 +72,34 @@ _OpEntry = TransferHandle | Callable[[int], None]
 
 
 class _EngineLedger:
-    """The engine's expectation table as the expectations' ledger."""
+    """The engine's expectation table as the expectations' ledger.  Only an
+    expectation of all the heads the cache holds (``own_heads``) can be
+    completed by a put, so only it enters the engine's table (one per
+    request id there); a head sub-range arrives staged and is counted here."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, own_heads: tuple[int, int]) -> None:
         self._engine = engine
+        self._own = own_heads
+        self._local: dict[int, np.ndarray] = {}  # token -> landed flag per layer
 
     def register(self, ex: Expect) -> None:
+        if ex.heads != self._own:
+            self._local[ex.token] = np.zeros(ex.l1 - ex.l0, dtype=bool)
+            return
         sender = ex.peer.agent_id if ex.peer is not None else b""
         self._engine.expect(
             ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender
         )
 
     def unregister(self, ex: Expect) -> None:
-        self._engine.unexpect(ex.token)
+        if self._local.pop(ex.token, None) is None:
+            self._engine.unexpect(ex.token)
 
     def mark(self, ex: Expect, l0: int, l1: int) -> int:
+        flags = self._local.get(ex.token)
+        if flags is not None:
+            flags[l0 - ex.l0 : l1 - ex.l0] = True
+            return int(flags.sum())
         sender = ex.peer.agent_id if ex.peer is not None else b""
         return int(self._engine.mark(ex.token, l0, l1, sender))
 
@@ -182,7 +197,10 @@ class UcxAgent:
             packer,
         )
         self.expectations = Expectations(
-            self._reject, self.staging.start_recv, _EngineLedger(self._engine)
+            self._reject,
+            self.staging.start_recv,
+            _EngineLedger(self._engine, layout.head_range),
+            layout.head_range,
         )
         self._next_token = 1
         self._in_events = False
@@ -236,22 +254,27 @@ class UcxAgent:
         *,
         timeout: float | None = None,
         peer: UcxPeer | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Expect tokens ``[start, end)`` of ``layers`` of ``request_id`` into our
         pages ``block_table``.  The handle completes when every layer of the
-        range has landed (it may arrive in several layer-range sends)."""
+        range has landed (it may arrive in several layer-range sends).
+        ``heads``: the model's KV heads ``[h0, h1)`` this expectation takes
+        (default all the cache holds); one request may be expected once per
+        head range, each from its own sender."""
         self._loop_now()
         rid = str(request_id)
-        if rid in self.expectations:
-            raise InvalidArgument(f"request {rid!r} is already expected")
+        hr = self.layout.check_heads(heads)  # LayoutError outside the cache's heads
+        if (rid, hr) in self.expectations:
+            raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
         l0, l1 = self.layout.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
         check_table(self.geometry, bt, start, end)  # raises PageIndexError
-        total = self.layout.wire_nbytes(end - start, (l0, l1))
+        total = self.layout.wire_nbytes(end - start, (l0, l1), hr)
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
-        ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token)
+        ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token, hr)
         self._next_token += 1
         h.owner = ex
         h.poller = self.poll_now
@@ -499,8 +522,18 @@ class UcxAgent:
             peer.untrack(h)
         if peer is None:
             return
+        blob = (
+            heads_blob(owner.heads, self.layout.total_kv_heads)
+            if isinstance(owner, Expect)
+            else b""
+        )
         msg = Message(
-            Kind.ABORT, self.agent_id, h.request_id, code=code_for_error(exc), text=str(exc)
+            Kind.ABORT,
+            self.agent_id,
+            h.request_id,
+            code=code_for_error(exc),
+            text=str(exc),
+            blob=blob,
         )
         self.post_message(peer, msg)
 
@@ -616,13 +649,27 @@ class UcxAgent:
             self._peer_gone(peer, PeerGone(f"peer {peer.name[:8]} closed"))
             self.forget(peer)
         elif m.kind in (Kind.DONE, Kind.STAGE_REQ):
-            self.expectations.on_part(peer, m)
+            try:
+                if m.kind is Kind.DONE and not m.blob:
+                    # a put (its DONE is encoded by the engine, without a blob)
+                    # writes whole pages of the same layout: all our heads
+                    heads = self.layout.head_range
+                else:
+                    heads = message_heads(m, self.layout.total_kv_heads)
+            except KVBridgeError as e:
+                self._reject(peer, m.rid, e)
+                return
+            self.expectations.on_part(peer, m, heads)
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
             self.staging.on_message(m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
             peer.fail_sends(exc, m.rid)
-            self.expectations.on_abort(peer, m.rid, exc)
+            try:
+                named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
+            except KVBridgeError:
+                named = None  # a malformed head range: every part of the request from it
+            self.expectations.on_abort(peer, m.rid, named, exc)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))

@@ -68,6 +68,7 @@ class PeerHost(Protocol):
         *,
         timeout: float | None = None,
         peer: UcxPeer | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle: ...
 
     async def close_peer(self, peer: UcxPeer) -> None: ...
@@ -126,20 +127,28 @@ class UcxPeer:
         *,
         timeout: float | None = None,
         path: str | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Send tokens ``[start, end)`` of layers ``layers`` (all when None) from
         our pages ``block_table`` into the peer's pages ``remote_block_table``.
-        ``path`` forces "put" or "staging"; by default the put path is taken
-        when both layouts are the same and the runs are not tiny."""
+        ``heads``: the model's KV heads ``[h0, h1)`` to send (default all our
+        cache holds; the receiver expects exactly these).  ``path`` forces
+        "put" or "staging"; by default the put path is taken when both
+        layouts are the same, all our heads go, and the runs are not tiny;
+        a head sub-range always goes through the staging path."""
         self._check()
         host = self._host
         lay = host.layout
         rid = str(request_id)
         l0, l1 = lay.layer_range(layers)
+        hr = lay.check_heads(heads)  # LayoutError outside our heads
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
-        if self.same_layout and path != "staging":
+        whole = hr == lay.head_range
+        if path == "put" and not whole:
+            raise LayoutError("the put path sends whole pages: a head sub-range goes staged")
+        if self.same_layout and path != "staging" and whole:
             staging = host.staging
             can_stage = (
                 path != "put"
@@ -171,11 +180,11 @@ class UcxPeer:
             raise LayoutError("the put path needs both caches to have the same memory layout")
         staging = host.staging
         staging.require(self)
-        h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1)), deadline)
+        h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1), hr), deadline)
         h.owner = self
         h.stats.path = "staging"
         self.track(h)
-        staging.start_send(self, h, block_table, start, end, l0, l1)
+        staging.start_send(self, h, block_table, start, end, l0, l1, hr)
         return h
 
     def expect(
