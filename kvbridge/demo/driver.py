@@ -131,21 +131,26 @@ async def _warm_md(
     cfg: DemoConfig, p: ControlClient, client: _Client, prompts: list[list[int]], rid0: int
 ) -> None:
     """The main decode of a long-running deployment holds the system prompts:
-    send each once through the radix pipeline (one output token), unmeasured."""
-    for i, prompt in enumerate(prompts):
-        rid = rid0 + i
+    send each once through the radix pipeline (one output token), unmeasured;
+    all at once (they share nothing)."""
+
+    async def one(rid: int, prompt: list[int]) -> None:
         client.open(RequestRecord(rid, -1, "warm", "", len(prompt), 0, 0, time.monotonic()))
         params = SamplingParams(temperature=0.0, max_new_tokens=1)
-        await p.call(
-            "request",
-            timeout=cfg.request_timeout_s,
-            rid=rid,
-            prompt=prompt,
-            params=params_to(params),
-            pipeline="radix",
-        )
-        await asyncio.wait_for(client.done[rid].wait(), cfg.request_timeout_s)
-        client.close(rid)
+        try:
+            await p.call(
+                "request",
+                timeout=cfg.request_timeout_s,
+                rid=rid,
+                prompt=prompt,
+                params=params_to(params),
+                pipeline="radix",
+            )
+            await asyncio.wait_for(client.done[rid].wait(), cfg.request_timeout_s)
+        finally:
+            client.close(rid)
+
+    await asyncio.gather(*(one(rid0 + i, prompt) for i, prompt in enumerate(prompts)))
 
 
 @dataclass
@@ -492,36 +497,6 @@ async def _run_demo(
         f"{cfg.wan_rate_bps / 1e6:.0f} Mbit/s, RTT {cfg.wan_rtt_ms:.0f} ms, {note}; "
         f"P->RLD over {cfg.rld_transport}"
     )
-    # what the reference engine outputs for each request by itself
-    # (computed once per trace and model, then read from the cache; on a
-    # thread, so that SIGTERM / SIGINT are served meanwhile)
-    import torch
-
-    torch.set_num_threads(1)
-    cache = None if cfg.model == "random" else default_cache_dir() / "demo"
-    stop_refs = threading.Event()
-    # every seed's requests in one batch: one decode step serves them all (one
-    # torch thread: intra-op threads on a busy machine are slower, not faster)
-    reqs = [
-        (seed * REF_STRIDE + t.index, t.prompt, t.params)
-        for seed, sessions in seeds.items()
-        for s in sessions
-        for t in s.turns
-    ]
-    try:
-        streams, hit = await asyncio.to_thread(
-            cached_reference_streams, cfg, reqs, cache, stop=stop_refs
-        )
-    finally:
-        stop_refs.set()
-    refs: dict[int, dict[int, tuple[list[int], list[float]]]] = defaultdict(dict)
-    for rid, stream in streams.items():
-        refs[rid // REF_STRIDE][rid % REF_STRIDE] = stream
-    log(
-        f"reference streams: {n_req} requests in {time.monotonic() - t_start:.0f} s"
-        + (f" (from {cache})" if hit else "")
-    )
-
     tmp = tempfile.mkdtemp(prefix="kvb-demo-")
     cfg_path = os.path.join(tmp, "config.json")
     Path(cfg_path).write_text(cfg.to_json())
@@ -535,6 +510,36 @@ async def _run_demo(
     cpu: dict[str, dict[str, dict[str, float]]] = {}  # per replay and role, in cores
     try:
         roles.start(cfg, mode, cfg_path, socks)
+        # what the reference engine outputs for each request by itself, while
+        # the roles start (computed once per trace and model, then read from
+        # the cache; on a thread, so that SIGTERM / SIGINT are served meanwhile)
+        import torch
+
+        torch.set_num_threads(1)
+        cache = None if cfg.model == "random" else default_cache_dir() / "demo"
+        stop_refs = threading.Event()
+        # every seed's requests in one batch: one decode step serves them all (one
+        # torch thread: intra-op threads on a busy machine are slower, not faster)
+        reqs = [
+            (seed * REF_STRIDE + t.index, t.prompt, t.params)
+            for seed, sessions in seeds.items()
+            for sess in sessions
+            for t in sess.turns
+        ]
+        try:
+            streams, hit = await asyncio.to_thread(
+                cached_reference_streams, cfg, reqs, cache, stop=stop_refs
+            )
+        finally:
+            stop_refs.set()
+        refs: dict[int, dict[int, tuple[list[int], list[float]]]] = defaultdict(dict)
+        for rid, stream in streams.items():
+            refs[rid // REF_STRIDE][rid % REF_STRIDE] = stream
+        log(
+            f"reference streams: {n_req} requests in {time.monotonic() - t_start:.0f} s"
+            + (f" (from {cache})" if hit else "")
+        )
+
         for r in ("md", "rld", "p"):
             clients[r] = ControlClient(socks[r], on_event=client.on_event)
             await clients[r].connect(timeout=180.0)
@@ -637,7 +642,9 @@ async def _run_demo(
         for rec, key in todo:
             t = by_seed[int(key.rsplit("seed", 1)[1])][rec.request_id % 100000]
             items.append((rec.request_id, t.prompt, t.params, rec.tokens))
+        t_verify = time.monotonic()
         deficits = verify_streams(cfg, items)
+        log(f"{len(items)} streams teacher-forced in {time.monotonic() - t_verify:.0f} s")
         for rec, _ in todo:
             d = deficits[rec.request_id]
             rec.detail.setdefault("check", {})["deficit"] = d

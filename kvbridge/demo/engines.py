@@ -348,14 +348,19 @@ def verify_streams(
     lost or repeated token gives large deficits."""
     lay = cfg.p_layout()
     longest = max((len(p) + len(o) for _, p, _, o in items), default=1)
-    pages = lay.pages_for(longest) + 2
-    eng = make_engine(cfg, lay, pages)
+    pages = max(cfg.p_pages, 4 * lay.pages_for(longest) + 4)
+    # the prompts share their system prompts: a prefix cache computes them once
+    alloc = PageAllocator(pages)
+    radix = RadixCache(lay.page_tokens, allocator=alloc)
+    lock = threading.Lock()
+    eng = make_engine(cfg, lay, pages, CachePages(radix, alloc, lock))
+    pre = PrefixPrefill(eng, radix, lock)
     out: dict[int, float] = {}
     for rid, prompt, params, output in items:
-        eng.allocate(rid)
+        done = pre.prefill(rid, prompt, None)
         try:
-            logits = eng.forward({rid: list(prompt)}, last_only=True)[rid]
-            rows = [logits[-1]]
+            assert done.logits is not None
+            rows = [done.logits]
             if len(output) > 1:
                 rows += list(eng.forward({rid: list(output[:-1])})[rid])
             worst = 0.0
@@ -364,5 +369,5 @@ def verify_streams(
                 worst = max(worst, float(sc.max() - sc[int(tok)]))
             out[rid] = worst
         finally:
-            eng.free(rid)
+            pre.release(rid, done)
     return out
