@@ -154,3 +154,32 @@ def test_run_main_on_a_worker_streams_what_one_decoder_decodes() -> None:
 
     assert asyncio.run(main()) == want
     _ = decode  # the codec the stream used
+
+
+@pytest.mark.timeout(30)
+def test_close_without_drain_fails_what_is_queued() -> None:
+    """``close(drain=False)``: the pass running now completes, the calls
+    queued behind it fail with PeerGone instead of running (a role that stops
+    does not compute for requests that are gone)."""
+
+    async def main() -> tuple[list[object], float]:
+        ran: list[int] = []
+
+        def slow(i: int) -> int:
+            time.sleep(0.3)
+            ran.append(i)
+            return i
+
+        w = EngineWorker(ReferenceDecoder(CFG, CFG.kv_layout(page_tokens=8), 8))
+        futs = [asyncio.ensure_future(w.call(slow, i)) for i in range(5)]
+        await asyncio.sleep(0.05)  # the first call is running
+        t0 = time.monotonic()
+        await w.close(drain=False, timeout=5.0)
+        took = time.monotonic() - t0
+        res = await asyncio.gather(*futs, return_exceptions=True)
+        assert ran == [0]
+        return res, took
+
+    res, took = asyncio.run(main())
+    assert res[0] == 0 and all(isinstance(r, PeerGone) for r in res[1:]), res
+    assert took < 1.0
