@@ -163,6 +163,7 @@ class DemoResult:
     records: dict[str, list[RequestRecord]]
     ideal_p_hit: float = 0.0
     paths: dict[str, Path] = field(default_factory=dict)
+    cpu: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # per replay
 
     @property
     def ok(self) -> bool:
@@ -651,7 +652,7 @@ async def _run_demo(
             rec.check = "near-tie" if d <= cfg_tie(cfg) else "WRONG"
         summaries = [_resummarize(cfg, s, records) for s in summaries]
     aggs = aggregate(summaries)
-    result = DemoResult(cfg, mode, note, summaries, aggs, records)
+    result = DemoResult(cfg, mode, note, summaries, aggs, records, cpu=cpu)
     ratios = result.ratios()
     if out_dir is not None:
         result.paths = write_outputs(
@@ -776,7 +777,50 @@ def report_lines(
             f"{1e3 * max(puts, default=math.nan):.0f} ms; the relay's next token follows "
             f"one decode step later)"
         )
+    out += ttft_parts(result)
     out += _one_stream(result, tokenizer)
+    return out
+
+
+def ttft_parts(result: DemoResult) -> list[str]:
+    """Where each pipeline's time to first token goes, per load point, from
+    the per-request records (p50 / p90 over seeds, ms): the prefix
+    negotiation (a WAN round trip), the wait for the prefill's worker, the
+    prefill's compute, and the first token after the
+    prefill ended (the WAN transfer for P-MD, the put to the relay for
+    P-RLD-MD); and each role's CPU use in cores (mean over the replays)."""
+    out = ["where the time to first token goes (p50 / p90 over seeds, ms; CPU in cores):"]
+    groups: dict[tuple[str, float], list[str]] = defaultdict(list)
+    for key in result.records:
+        name, rest = key.split("@", 1)
+        groups[(name, float(rest.split("x/", 1)[0]))].append(key)
+    for (name, load), keys in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        recs = [r for k in keys for r in result.records[k] if r.arrivals and not r.error]
+        parts: dict[str, list[float]] = defaultdict(list)
+        for r in recs:
+            p = r.detail.get("p", {})
+            if "negotiate_s" in p:
+                parts["negotiate"].append(float(p["negotiate_s"]))
+            if "prefill_s" in p and "compute_s" in p:
+                parts["queue"].append(float(p["prefill_s"]) - float(p["compute_s"]))
+                parts["compute"].append(float(p["compute_s"]))
+            if r.prefill_end_t is not None:
+                parts["after"].append(r.arrivals[0] - r.prefill_end_t)
+            parts["ttft"].append(r.ttft)
+
+        def q(k: str, parts: dict[str, list[float]] = parts) -> str:
+            return f"{1e3 * percentile(parts[k], 50):.0f} / {1e3 * percentile(parts[k], 90):.0f}"
+
+        use: dict[str, list[float]] = defaultdict(list)
+        for k in keys:
+            for role, u in result.cpu.get(k, {}).items():
+                use[role].append(u["cpu"])
+        cpu = ", ".join(f"{role} {sum(v) / len(v):.2f}" for role, v in sorted(use.items()))
+        out.append(
+            f"  {name} @{load:g}x: TTFT {q('ttft')}; prefix negotiation {q('negotiate')}, "
+            f"prefill queue {q('queue')}, compute {q('compute')}, first token after prefill "
+            f"{q('after')}" + (f"; CPU {cpu}" if cpu else "")
+        )
     return out
 
 
