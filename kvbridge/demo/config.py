@@ -72,9 +72,11 @@ class DemoConfig:
     # prefill -> relay inside datacenter A
     rld_transport: str = "ucx"  # "ucx" or "tcp"
     # ---- compute: each engine has its own accelerator in the design ------------------------
-    # "auto": the prefill gets the first CPU to itself, the decodes share the
-    # rest (with 3 or more: the relay one, the main decode the others); "off":
-    # every role on every CPU (the decodes' steps then steal the prefill's time)
+    # "auto": the prefill's engine (its worker thread) gets the first CPU to
+    # itself, the decodes' engines share the rest (with 3 or more: the relay
+    # one, the main decode the others); the loops and transports use every
+    # CPU. "off": every engine on every CPU (the decodes' steps then take the
+    # prefill's time)
     role_cpus: str = "auto"
     # ---- the handoff --------------------------------------------------------------------
     handoff_threshold: int = 8

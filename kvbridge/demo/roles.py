@@ -151,6 +151,12 @@ class _Role:
 
     async def serve(self) -> None:
         await self.setup()
+        # the engine's compute share (DemoConfig.role_cpus): its worker thread
+        # only; the loop and the transports' threads stay on every CPU, as a
+        # host's CPUs serve the network while the accelerator computes
+        cpus = self.cfg.cpus_for(self.name, os.sched_getaffinity(0))
+        if cpus and self.worker is not None:
+            await self.worker.call(os.sched_setaffinity, 0, cpus)
         await self.control.start()
         async with self.node:
             await self.stop.wait()
@@ -833,12 +839,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format=f"[{role}] %(message)s")
     with open(cfg_path) as f:
         cfg = DemoConfig.from_json(f.read())
-    # the role's compute share (see DemoConfig.role_cpus), before any thread starts
-    cpus = cfg.cpus_for(role, os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    if cpus:
-        for tid in os.listdir("/proc/self/task"):  # threads started by imports, too
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(int(tid), cpus)
     import torch
 
     torch.set_num_threads(1)
