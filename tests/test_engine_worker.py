@@ -70,7 +70,9 @@ def test_the_loop_runs_while_the_worker_computes() -> None:
         await w.close()
         return ticks
 
-    assert asyncio.run(main()) >= 5  # the loop ticked during the 0.3 s pass
+    # the loop ticked during the 0.3 s pass (a blocked loop ticks at most once,
+    # after it; a loaded 2-core VM gives the loop a few of the ~30 chances)
+    assert asyncio.run(main()) >= 2
 
 
 def test_steps_of_running_requests_batch_and_match_inline() -> None:
