@@ -12,7 +12,8 @@ Every key is optional (docs/vllm.md lists them with their defaults)::
      "psk": "hex", "streams": 4,
      "recv_timeout_s": 60, "ticket_timeout_s": 30, "send_timeout_s": 60,
      "lease_s": 30, "connect_timeout_s": 10, "reconnect_timeout_s": 5,
-     "layerwise": true, "metrics_port": null}
+     "layerwise": true, "metrics_port": null,
+     "idle_wait_s": 0.002}                 # an engine that only waits for KV steps this slowly
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class ConnectorConfig:
     reconnect_timeout_s: float = 5.0
     layerwise: bool = True
     metrics_port: int | None = None
+    idle_wait_s: float = 0.002
 
     @classmethod
     def from_extra(
@@ -138,5 +140,6 @@ class ConnectorConfig:
             connect_timeout_s=_seconds(d, "connect_timeout_s", 10.0),
             reconnect_timeout_s=_seconds(d, "reconnect_timeout_s", 5.0),
             layerwise=bool(d.get("layerwise", True)),
+            idle_wait_s=_seconds(d, "idle_wait_s", 0.002),
             metrics_port=mport,
         )

@@ -55,8 +55,10 @@ __all__ = ["Backend", "DisaggProxy", "ProxyConfig", "main"]
 
 log = logging.getLogger("kvbridge.vllm.proxy")
 
-# sampling fields passed through to the decodes as they are
+# fields passed through to the backends as they are (sampling, and vLLM's
+# cache_salt, which keys both engines' prefix caches)
 _SAMPLING = (
+    "cache_salt",
     "temperature",
     "top_p",
     "top_k",
@@ -145,6 +147,7 @@ class _Gen:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    pipeline: str | None = None  # the request's "kvbridge_pipeline": overrides the router
 
 
 @dataclass
@@ -177,7 +180,9 @@ class DisaggProxy:
         if cfg.pipeline == "p-rld-md" and cfg.relay is None:
             raise ValueError("pipeline p-rld-md needs a relay decode")
         self.cfg = cfg
-        layout = cfg.layout or KVLayout(30, 3, 64, dtype=DType.BF16, page_tokens=cfg.md_block_tokens)
+        layout = cfg.layout or KVLayout(
+            30, 3, 64, dtype=DType.BF16, page_tokens=cfg.md_block_tokens
+        )
         self.router = Router(
             layout,
             RouterConfig(ttft_target_s=cfg.ttft_target_s),
@@ -288,6 +293,11 @@ class DisaggProxy:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ProxyError(400, "max_tokens must be a positive integer")
+        pipeline = body.get("kvbridge_pipeline")
+        if pipeline not in (None, "auto", "p-md", "p-rld-md"):
+            raise ProxyError(400, "kvbridge_pipeline must be auto, p-md or p-rld-md")
+        if pipeline == "p-rld-md" and self.cfg.relay is None:
+            raise ProxyError(400, "kvbridge_pipeline p-rld-md: this proxy has no relay decode")
         ids = await self._tokenize(body, kind, model)
         opts = body.get("stream_options") or {}
         return _Gen(
@@ -299,6 +309,7 @@ class DisaggProxy:
             stream=bool(body.get("stream")),
             include_usage=bool(opts.get("include_usage")),
             return_token_ids=bool(body.get("return_token_ids")),
+            pipeline=pipeline,
         )
 
     # ---- backend calls -------------------------------------------------------------
@@ -358,9 +369,12 @@ class DisaggProxy:
     def _route(self, g: _Gen, tid: str) -> tuple[Pipeline, str, int]:
         n = len(g.prompt_ids)
         matched = self.estimate.matched(g.prompt_ids) if self.cfg.use_prefix_estimate else 0
-        if self.cfg.pipeline == "p-md" or self.cfg.relay is None:
+        chosen = g.pipeline if g.pipeline not in (None, "auto") else self.cfg.pipeline
+        if chosen == "p-md" or self.cfg.relay is None:
+            self.router.counts[Pipeline.P_MD] += 1
             return Pipeline.P_MD, "fixed pipeline", matched
-        if self.cfg.pipeline == "p-rld-md":
+        if chosen == "p-rld-md":
+            self.router.counts[Pipeline.P_RLD_MD] += 1
             return Pipeline.P_RLD_MD, "fixed pipeline", matched
         d = self.router.decide(tid, n, matched, g.max_tokens, queued_bytes=self._inflight_md_bytes)
         # the router may only choose what ends at the main decode here
@@ -449,6 +463,13 @@ class DisaggProxy:
                         try:
                             piece = nxt.result()
                         except StopAsyncIteration:
+                            nxt = None
+                            break
+                        except (ProxyError, aiohttp.ClientError, TimeoutError) as e:
+                            # the relay failed (its load, say): the main decode
+                            # takes over from the tokens already streamed
+                            log.warning("transfer %s: relay failed: %s", tid, e)
+                            rec.error = f"relay: {e}"
                             nxt = None
                             break
                         relay_ids += piece.token_ids

@@ -142,6 +142,7 @@ class ConnectorScheduler:
                 return 0, False
             seen = self._tickets.get(p.transfer_id, set())
             if not set(p.destinations) <= seen and self._clock() < s.await_until:
+                log.debug("request %s waits for tickets (%s of %s)", rid, seen, p.destinations)
                 return None, False  # not yet: every ticket in first, for layer-wise sends
             return 0, False
         if isinstance(p, DecodeParams) and rid not in self._recvs:
