@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 # the bridges import the transports (asyncio, uvloop, the C++ core): loaded on
 # first use, so that ``import kvbridge`` stays light
-_BRIDGE = ("DecodeBridge", "PrefillBridge", "PeerConfig", "Ticket")
+_BRIDGE = ("DecodeBridge", "PrefillBridge", "PeerConfig", "SyncBridge", "Ticket")
 
 
 def __getattr__(name: str) -> Any:
@@ -33,6 +33,7 @@ __all__ = [
     "MemoryOrder",
     "PeerConfig",
     "PrefillBridge",
+    "SyncBridge",
     "Ticket",
     "WireRange",
     "__version__",

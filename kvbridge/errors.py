@@ -116,6 +116,11 @@ class Cancelled(KVBridgeError):
     """The transfer or handoff was cancelled locally."""
 
 
+class BridgeClosed(Cancelled):
+    """The bridge is closed: a call made after ``close()``, or a transfer
+    that ``close()`` ended."""
+
+
 class ResourceLimit(KVBridgeError):
     """A per-peer limit (connections, in-flight bytes, transfers) was hit."""
 
@@ -139,6 +144,16 @@ class TransferTimeout(KVBridgeTimeout):
 
 class HandoffTimeout(KVBridgeTimeout):
     pass
+
+
+class LeaseExpired(TransferTimeout):
+    """A send's lease on its pages ran out before the transfer finished; the
+    transfer was aborted at both ends and the pages are the engine's again."""
+
+
+class CallTimeout(KVBridgeTimeout):
+    """A blocking call into the synchronous bridge got no answer from its
+    event-loop thread within the call's bound."""
 
 
 # --- the C status codes (csrc/include/kvbridge/status.h) ------------------------

@@ -21,3 +21,18 @@ def test_engine_integration_example_runs() -> None:
         check=True,
     )
     assert "identical after the layout change: True" in out.stdout
+
+
+def test_sync_bridge_example_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "sync_bridge.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "KV identical after the layout change: True" in out.stdout
+    assert "refused: model 'Qwen2-0.5B-Instruct' != 'SmolLM2-135M-Instruct'" in out.stdout
+    for rid in ("req-1", "req-2", "req-3"):
+        assert f"decode: {rid} landed" in out.stdout and f"prefill: {rid} delivered" in out.stdout
+    assert 'kvbridge:tx_bytes_total{bridge="prefill-0"' in out.stdout

@@ -10,6 +10,9 @@ from ..pack import PagedKVCache
 from ..transport.tcp.kvio import KVSink
 from ..transport.tcp.receiver import ReceiverLimits, TcpReceiver
 from .handles import Delivery, DeliveryStats
+from .identity import describe, wrap_ucx_metadata
+from .metrics import BridgeMetrics, BridgeMetricsView
+from .prefill import _view
 from .ticket import Ticket, TicketTransport
 
 __all__ = ["DecodeBridge", "Expectation"]
@@ -30,6 +33,11 @@ class DecodeBridge:
     that was not configured, or is not available here, raises
     :class:`~kvbridge.errors.Unavailable` when asked for; there is no silent
     fallback.
+
+    ``model_id`` names the model the engine serves; the bridge describes
+    itself with it (and its KV dtype, layers and heads) at every handshake and
+    in its tickets and UCX metadata, so that a peer serving another model is
+    refused with a message that says what differs.
     """
 
     def __init__(
@@ -37,6 +45,7 @@ class DecodeBridge:
         cache: PagedKVCache,
         *,
         identity: str = "decode",
+        model_id: str = "",
         tcp_listen: tuple[str, int] | None = None,
         psk: bytes | dict[str, bytes] | None = None,
         ssl: _ssl.SSLContext | None = None,
@@ -46,10 +55,14 @@ class DecodeBridge:
         ucx_options: dict[str, Any] | None = None,
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 20.0,
+        metrics: BridgeMetrics | BridgeMetricsView | None = None,
     ) -> None:
         self.cache = cache
         self.layout = cache.layout
         self.identity = identity
+        self.model_id = model_id
+        self.description = describe(self.layout, model_id)
+        self.metrics = _view(metrics, identity, model_id)
         self._tcp: TcpReceiver | None = None
         if tcp_listen is not None:
             self._tcp = TcpReceiver(
@@ -63,6 +76,7 @@ class DecodeBridge:
                 limits=limits or ReceiverLimits(),
                 keepalive_interval=keepalive_interval,
                 keepalive_timeout=keepalive_timeout,
+                description=self.description,
             )
         self._want_ucx = ucx
         self._ucx_options = ucx_options or {}
@@ -100,8 +114,15 @@ class DecodeBridge:
         return (self._tcp.host, self._tcp.port)
 
     def ucx_metadata(self) -> bytes:
-        """The opaque, versioned registration blob a prefill passes to connect."""
-        return bytes(self._require_ucx().metadata())
+        """The opaque, versioned bytes a prefill passes to connect: the
+        bridge's description around its UCX agent's registration blob
+        (docs/protocol.md 8.4)."""
+        return wrap_ucx_metadata(self.description, bytes(self._require_ucx().metadata()))
+
+    @property
+    def ucx_agent(self) -> Any:
+        """The UCX agent (ucx=True), to share with a PrefillBridge on this cache."""
+        return self._require_ucx()
 
     @property
     def tcp(self) -> TcpReceiver:
@@ -140,7 +161,15 @@ class DecodeBridge:
             sink = KVSink(self.cache, block_table, start, end, (l0, l1))
             h = tcp.expect(rid, sink, timeout=timeout)
             ticket = Ticket(
-                TicketTransport.TCP, rid, start, end, l0, l1, self.layout.compat_hash, token=h.token
+                TicketTransport.TCP,
+                rid,
+                start,
+                end,
+                l0,
+                l1,
+                self.layout.compat_hash,
+                token=h.token,
+                model=self.model_id,
             )
             stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
 
@@ -162,11 +191,13 @@ class DecodeBridge:
                 self.layout.compat_hash,
                 agent_id=agent.agent_id,
                 block_table=bt,
+                model=self.model_id,
             )
             stats = DeliveryStats(rid, self.identity, "ucx", bytes=0)
 
             def finish_ucx(res: Any, st: DeliveryStats) -> None:
                 st.bytes = int(getattr(res, "bytes", 0))
+                st.wire_bytes = st.bytes
                 st.path = "ucx-" + str(getattr(res, "path", "") or "put")
 
             exp = Expectation(
@@ -175,4 +206,15 @@ class DecodeBridge:
         else:
             raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
         exp.ticket = ticket.encode()
+        m = self.metrics
+        m.started("recv")
+
+        def record(d: Delivery) -> None:
+            out = d.outcome()
+            if isinstance(out, DeliveryStats):
+                m.finished("recv", out)
+            elif out is not None:
+                m.failed("recv", out)
+
+        exp.add_done_callback(record)
         return exp

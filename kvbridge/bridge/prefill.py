@@ -1,18 +1,35 @@
-"""The prefill side of the bridge: one send feeds every destination."""
+"""The prefill side of the bridge: one send feeds every destination.
+
+Every send takes a lease on its request's pages (:mod:`kvbridge.bridge.leases`):
+the group's ``on_done`` callbacks run, and the lease is released, once every
+destination has finished; a lease that runs out first aborts the send at both
+ends with :class:`~kvbridge.errors.LeaseExpired`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import ssl as _ssl
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import IncompatiblePeer, InvalidArgument, Unavailable
+from ..errors import (
+    Cancelled,
+    IncompatiblePeer,
+    InvalidArgument,
+    LeaseExpired,
+    Unavailable,
+)
 from ..pack import PagedKVCache
 from ..transport.tcp.kvio import KVSource
 from ..transport.tcp.sender import DEFAULT_STREAMS, TcpSender
-from .handles import Delivery, DeliveryStats, MultiSend
-from .layerwise import LayerwiseSource
+from .handles import Delivery, DeliveryStats, MultiSend, Outcome, SendGroup
+from .identity import check_peer, describe, unwrap_ucx_metadata, wrap_ucx_metadata
+from .layerwise import LayerwiseSend
+from .leases import DEFAULT_LEASE, LeaseTable
+from .metrics import BridgeMetrics, BridgeMetricsView
 from .ticket import Ticket, TicketTransport
 
 __all__ = ["LayerwiseSend", "PeerConfig", "PrefillBridge"]
@@ -42,22 +59,42 @@ class PeerConfig:
 
 class PrefillBridge:
     """What a prefill engine embeds.  Connect named destinations, then
-    ``send(request_id, block_table, {name: ticket, ...})``."""
+    ``send(request_id, block_table, {name: ticket, ...})``.
+
+    ``model_id`` names the model the engine serves (a name or a digest of the
+    weights); a destination serving another model, or with another KV
+    dtype, layer count or heads, is refused at connect with a message that
+    says what differs.  ``lease_timeout`` is the default lease of a send's
+    pages; ``clock`` the lease clock (``time.monotonic``; tests pass a fake).
+    ``ucx_agent`` shares one UCX agent with a :class:`DecodeBridge` over the
+    same cache (an engine that both sends and receives)."""
 
     def __init__(
         self,
         cache: PagedKVCache,
         *,
         identity: str = "prefill",
+        model_id: str = "",
         ucx_options: dict[str, Any] | None = None,
+        ucx_agent: Any = None,
+        lease_timeout: float = DEFAULT_LEASE,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: BridgeMetrics | BridgeMetricsView | None = None,
     ) -> None:
         self.cache = cache
         self.layout = cache.layout
         self.identity = identity
+        self.model_id = model_id
+        self.description = describe(self.layout, model_id)
+        self.leases = LeaseTable(lease_timeout, clock)
+        self.metrics = _view(metrics, identity, model_id)
         self._ucx_options = ucx_options or {}
-        self._ucx: Any = None
+        self._ucx: Any = ucx_agent
+        self._own_ucx = ucx_agent is None
         self._tcp: dict[str, TcpSender] = {}
         self._ucx_peers: dict[str, Any] = {}
+        self._live: dict[str, SendGroup] = {}
+        self._lease_timer: asyncio.TimerHandle | None = None
 
     # ---- peers -------------------------------------------------------------------
     async def connect(self, name: str, peer: PeerConfig) -> None:
@@ -80,6 +117,7 @@ class PrefillBridge:
                 keepalive_timeout=peer.keepalive_timeout,
                 reconnect_timeout=peer.reconnect_timeout,
                 compression=peer.compression,
+                description=self.description,
             )
             try:
                 await s.connect()
@@ -88,8 +126,11 @@ class PrefillBridge:
                 raise
             self._tcp[name] = s
         elif peer.transport == "ucx":
+            theirs, blob = unwrap_ucx_metadata(peer.metadata)
+            if theirs is not None:
+                check_peer(name, theirs, self.description)
             agent = self._ensure_ucx()
-            self._ucx_peers[name] = await agent.connect(peer.metadata, timeout=peer.connect_timeout)
+            self._ucx_peers[name] = await agent.connect(blob, timeout=peer.connect_timeout)
         else:
             raise InvalidArgument(f"unknown transport {peer.transport!r} (use 'tcp' or 'ucx')")
 
@@ -104,7 +145,9 @@ class PrefillBridge:
         return self._ucx
 
     def ucx_metadata(self) -> bytes:
-        return bytes(self._ensure_ucx().metadata())
+        """The bridge's UCX metadata: its description around the agent's blob
+        (docs/protocol.md 8.4)."""
+        return wrap_ucx_metadata(self.description, bytes(self._ensure_ucx().metadata()))
 
     def tcp_sender(self, name: str) -> TcpSender:
         """The TCP sender of a destination (for CONTROL messages)."""
@@ -117,16 +160,26 @@ class PrefillBridge:
     def destinations(self) -> list[str]:
         return [*self._tcp, *self._ucx_peers]
 
+    @property
+    def live_sends(self) -> dict[str, SendGroup]:
+        """The sends that hold a lease now, by request id."""
+        return dict(self._live)
+
     async def close(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        for group in list(self._live.values()):
+            group.fail(Cancelled("prefill bridge closed"))
         for s in self._tcp.values():
             await s.close()
         self._tcp.clear()
         for p in self._ucx_peers.values():
             await p.close()
         self._ucx_peers.clear()
-        if self._ucx is not None:
+        if self._ucx is not None and self._own_ucx:
             await self._ucx.close()
-            self._ucx = None
+        self._ucx = None
 
     async def __aenter__(self) -> PrefillBridge:
         return self
@@ -141,6 +194,10 @@ class PrefillBridge:
             raise IncompatiblePeer(
                 f"{name}: the ticket's layout hash {t.compat_hash:#x} is not ours "
                 f"({self.layout.compat_hash:#x}: {self.layout.wire_key()})"
+            )
+        if t.model and self.model_id and t.model != self.model_id:
+            raise IncompatiblePeer(
+                f"{name}: the ticket is for model {t.model!r} != ours {self.model_id!r}"
             )
         want = TicketTransport.TCP if name in self._tcp else TicketTransport.UCX
         if name not in self._tcp and name not in self._ucx_peers:
@@ -162,6 +219,8 @@ class PrefillBridge:
                 raise InvalidArgument(
                     f"{name}: ticket is for request {t.request_id!r}, not {rid!r}"
                 )
+        if rid in self._live:
+            raise InvalidArgument(f"request {rid!r} is being sent already (it holds a lease)")
         return out
 
     def send(
@@ -172,20 +231,32 @@ class PrefillBridge:
         *,
         priority: int = 0,
         timeout: float | None = 60.0,
+        lease: float | None = None,
     ) -> MultiSend:
         """Send the KV each ticket asks for, to every destination at once.
-        Each destination progresses and completes on its own."""
+        Each destination progresses and completes on its own.  ``lease``: how
+        long the pages stay pinned for this send (default ``lease_timeout``)."""
         rid = str(request_id)
+        checked = self._checked(rid, tickets)
+        self.leases.grant(rid, lease)
         out: dict[str, Delivery] = {}
-        for name, t in self._checked(rid, tickets).items():
-            if name in self._tcp:
-                src = KVSource(
-                    self.cache, block_table, t.start, t.end, (t.layer_start, t.layer_end)
-                )
-                out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
-            else:
-                out[name] = self._ucx_delivery(name, rid, block_table, t, None, timeout)
-        return MultiSend(rid, out)
+        try:
+            for name, t in checked.items():
+                if name in self._tcp:
+                    src = KVSource(
+                        self.cache, block_table, t.start, t.end, (t.layer_start, t.layer_end)
+                    )
+                    out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
+                else:
+                    out[name] = self._ucx_delivery(name, rid, block_table, t, None, timeout)
+        except BaseException:
+            self.leases.release(rid)
+            for d in out.values():
+                d.cancel("the send failed to start")
+            raise
+        group = MultiSend(rid, out)
+        self._track(group)
+        return group
 
     def send_layerwise(
         self,
@@ -196,13 +267,86 @@ class PrefillBridge:
         priority: int = 0,
         timeout: float | None = 60.0,
         layer_timeout: float = 30.0,
+        lease: float | None = None,
     ) -> LayerwiseSend:
         """Start a send whose layers leave as prefill finishes them: call
         :meth:`LayerwiseSend.layers_ready` after each layer (or group)."""
         rid = str(request_id)
         checked = self._checked(rid, tickets)
-        return LayerwiseSend(self, rid, block_table, checked, priority, timeout, layer_timeout)
+        self.leases.grant(rid, lease)
+        try:
+            group = LayerwiseSend(self, rid, block_table, checked, priority, timeout, layer_timeout)
+        except BaseException:
+            self.leases.release(rid)
+            raise
+        self._track(group)
+        return group
 
+    # ---- leases ------------------------------------------------------------------
+    def _track(self, group: SendGroup) -> None:
+        rid = group.request_id
+        self._live[rid] = group
+        m = self.metrics
+        for _ in group.destinations:
+            m.started("send")
+
+        def one(name: str, out: Outcome) -> None:
+            if isinstance(out, DeliveryStats):
+                m.finished("send", out)
+            else:
+                m.failed("send", out)
+
+        def done(_g: SendGroup) -> None:
+            if self._live.get(rid) is group:
+                del self._live[rid]
+                self.leases.release(rid)
+                self._arm_leases()
+
+        group.on_outcome(one)
+        group.on_done(done)
+        self._arm_leases()
+
+    def renew_lease(self, request_id: str | int, seconds: float | None = None) -> bool:
+        """Extend a running send's lease to ``seconds`` from now (None: the
+        length it was granted with).  False when the request holds no lease
+        (its send has ended): nothing is pinned any more."""
+        ok = self.leases.renew(str(request_id), seconds) is not None
+        if ok:
+            self._arm_leases()
+        return ok
+
+    def expire_leases(self) -> list[str]:
+        """Abort, at both ends, every send whose lease has run out (the lease
+        timer calls this); returns their request ids."""
+        out = []
+        for lease in self.leases.pop_expired():
+            group = self._live.pop(lease.request_id, None)
+            if group is None:
+                continue
+            out.append(lease.request_id)
+            self.metrics.lease_expired()
+            renewed = f", renewed {lease.renewals} times" if lease.renewals else ""
+            group.fail(
+                LeaseExpired(
+                    f"the lease on the pages of request {lease.request_id!r} ran out "
+                    f"({lease.seconds:g} s{renewed}) before its send finished; "
+                    "aborted at both ends"
+                )
+            )
+        self._arm_leases()
+        return out
+
+    def _arm_leases(self) -> None:
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        deadline = self.leases.next_deadline
+        if deadline is None:
+            return
+        delay = max(0.0, deadline - self.leases.clock())
+        self._lease_timer = asyncio.get_running_loop().call_later(delay, self.expire_leases)
+
+    # ---- deliveries ----------------------------------------------------------------
     def _tcp_delivery(
         self,
         name: str,
@@ -251,85 +395,9 @@ class PrefillBridge:
         return Delivery(stats, h.wait(), lambda: 1.0 if h.done() else 0.0, h.cancel, finish)
 
 
-class LayerwiseSend:
-    """A send whose layers are released as prefill computes them."""
-
-    def __init__(
-        self,
-        bridge: PrefillBridge,
-        rid: str,
-        block_table: Any,
-        tickets: dict[str, Ticket],
-        priority: int,
-        timeout: float | None,
-        layer_timeout: float,
-    ) -> None:
-        self.bridge = bridge
-        self.request_id = rid
-        self.block_table = block_table
-        self.tickets = tickets
-        self.timeout = timeout
-        self._sources: dict[str, LayerwiseSource] = {}
-        self._ucx_parts: dict[str, list[Delivery]] = {
-            n: [] for n in tickets if n not in bridge._tcp
-        }
-        self._ucx_sent: dict[str, int] = {n: tickets[n].layer_start for n in self._ucx_parts}
-        self._tcp: dict[str, Delivery] = {}
-        for name, t in tickets.items():
-            if name in bridge._tcp:
-                src = LayerwiseSource(
-                    bridge.cache,
-                    block_table,
-                    t.start,
-                    t.end,
-                    (t.layer_start, t.layer_end),
-                    layer_timeout=layer_timeout,
-                )
-                self._sources[name] = src
-                self._tcp[name] = bridge._tcp_delivery(name, rid, src, t, priority, timeout)
-
-    def layers_ready(self, layer_end: int) -> None:
-        """Layers below ``layer_end`` are computed: let them leave."""
-        if not 0 <= layer_end <= self.bridge.layout.num_layers:
-            raise InvalidArgument(f"layer {layer_end} outside [0, {self.bridge.layout.num_layers}]")
-        for src in self._sources.values():
-            src.mark_ready(min(max(layer_end, src.layers[0]), src.layers[1]))
-        for name, parts in self._ucx_parts.items():
-            t = self.tickets[name]
-            lo, hi = self._ucx_sent[name], min(layer_end, t.layer_end)
-            if hi > lo:
-                parts.append(
-                    self.bridge._ucx_delivery(
-                        name, self.request_id, self.block_table, t, (lo, hi), self.timeout
-                    )
-                )
-                self._ucx_sent[name] = hi
-
-    def cancel(self, reason: str = "cancelled by the sender") -> None:
-        for src in self._sources.values():
-            src.cancel()
-        for d in self._tcp.values():
-            d.cancel(reason)
-        for parts in self._ucx_parts.values():
-            for d in parts:
-                d.cancel(reason)
-
-    async def wait(self, timeout: float | None = None) -> dict[str, DeliveryStats]:
-        """Every layer delivered to every destination (call after the last
-        ``layers_ready``)."""
-        out: dict[str, DeliveryStats] = {}
-        for name, d in self._tcp.items():
-            out[name] = await d.wait(timeout)
-        for name, parts in self._ucx_parts.items():
-            t = self.tickets[name]
-            if self._ucx_sent[name] < t.layer_end:
-                raise InvalidArgument(f"{name}: layers from {self._ucx_sent[name]} never released")
-            total = DeliveryStats(self.request_id, name, "ucx")
-            for d in parts:
-                st = await d.wait(timeout)
-                total.bytes += st.bytes
-                total.wire_bytes += st.wire_bytes
-                total.seconds = max(total.seconds, st.seconds)
-                total.path = st.path
-            out[name] = total
-        return out
+def _view(
+    metrics: BridgeMetrics | BridgeMetricsView | None, identity: str, model_id: str
+) -> BridgeMetricsView:
+    if isinstance(metrics, BridgeMetricsView):
+        return metrics
+    return (metrics or BridgeMetrics()).for_bridge(identity, model_id)

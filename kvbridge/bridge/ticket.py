@@ -7,10 +7,10 @@ unguessable 16-byte transfer token on TCP, or the receiver's agent id and
 block table on UCX (whose one-sided puts write straight into those pages).
 Engines move tickets as opaque bytes over any control plane they have.
 
-Encoding (little-endian; docs/protocol.md, "Transfer tickets")::
+Encoding (little-endian; docs/protocol.md 8.3, "Transfer tickets")::
 
     magic     4s   b"KVBT"
-    version   u8   1
+    version   u8   1, or 2 when the ticket carries extensions
     transport u8   1 = TCP, 2 = UCX
     reserved  u16  0
     start     u64  first token
@@ -21,6 +21,14 @@ Encoding (little-endian; docs/protocol.md, "Transfer tickets")::
     rid_len   u16  then rid_len bytes of UTF-8 request id (<= 1024)
     TCP:  token  16s
     UCX:  agent  16s, pages u32 (<= 2**24), then pages x i32 block table
+    version 2 only: ext_len u16, then ext_len bytes of records
+                    (tag u8, length u16, value): 0x01 the receiver's model
+                    (UTF-8); tags 0x80-0xFF are critical (a decoder that does
+                    not know one refuses the ticket; 0x81 is reserved for the
+                    head range of heterogeneous tensor parallelism); other
+                    unknown tags are skipped
+
+A ticket without extensions is encoded as version 1, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -33,13 +41,19 @@ import numpy as np
 
 from ..errors import RemoteProtocolError, VersionMismatch
 
-__all__ = ["TICKET_MAGIC", "TICKET_VERSION", "Ticket", "TicketTransport"]
+__all__ = ["TICKET_MAGIC", "TICKET_VERSION", "TICKET_VERSIONS", "Ticket", "TicketTransport"]
 
 TICKET_MAGIC = b"KVBT"
-TICKET_VERSION = 1
+TICKET_VERSION = 2  # the newest this kvbridge writes (1 when there are no extensions)
+TICKET_VERSIONS = (1, 2)  # the versions it reads
 MAX_RID = 1024
 MAX_PAGES = 1 << 24
+MAX_MODEL = 4096
+EXT_MODEL = 0x01
+EXT_HEAD_RANGE = 0x81  # reserved: heterogeneous tensor parallelism
+EXT_CRITICAL = 0x80
 _HEAD = struct.Struct("<4sBBHQQIIQH")
+_EXT = struct.Struct("<BH")
 
 
 class TicketTransport(enum.IntEnum):
@@ -59,14 +73,24 @@ class Ticket:
     token: bytes = b""  # TCP: the receiver's transfer token
     agent_id: bytes = b""  # UCX: the receiving agent
     block_table: tuple[int, ...] = ()  # UCX: the receiver's pages for the request
+    model: str = ""  # the receiver's model identity (version 2); empty: not given
+
+    def _extensions(self) -> bytes:
+        if not self.model:
+            return b""
+        model = self.model.encode("utf-8")
+        if len(model) > MAX_MODEL:
+            raise RemoteProtocolError(f"model id longer than {MAX_MODEL} bytes for a ticket")
+        return _EXT.pack(EXT_MODEL, len(model)) + model
 
     def encode(self) -> bytes:
         rid = self.request_id.encode()
         if len(rid) > MAX_RID:
             raise RemoteProtocolError("request id too long for a ticket")
+        ext = self._extensions()
         head = _HEAD.pack(
             TICKET_MAGIC,
-            TICKET_VERSION,
+            2 if ext else 1,
             int(self.transport),
             0,
             self.start,
@@ -76,10 +100,11 @@ class Ticket:
             self.compat_hash,
             len(rid),
         )
+        tail = struct.pack("<H", len(ext)) + ext if ext else b""
         if self.transport is TicketTransport.TCP:
-            return head + rid + self.token
+            return head + rid + self.token + tail
         bt = np.asarray(self.block_table, dtype="<i4").tobytes()
-        return head + rid + self.agent_id + struct.pack("<I", len(self.block_table)) + bt
+        return head + rid + self.agent_id + struct.pack("<I", len(self.block_table)) + bt + tail
 
     @classmethod
     def decode(cls, data: bytes) -> Ticket:
@@ -89,8 +114,8 @@ class Ticket:
         magic, ver, transport, reserved, start, end, l0, l1, compat, rlen = _HEAD.unpack_from(mv)
         if magic != TICKET_MAGIC:
             raise RemoteProtocolError("not a kvbridge ticket (bad magic)")
-        if ver != TICKET_VERSION:
-            raise VersionMismatch(f"ticket version {ver}, this kvbridge reads {TICKET_VERSION}")
+        if ver not in TICKET_VERSIONS:
+            raise VersionMismatch(f"ticket version {ver}, this kvbridge reads 1 and 2")
         if reserved or rlen > MAX_RID or start > end or l0 > l1:
             raise RemoteProtocolError("malformed ticket header")
         off = _HEAD.size
@@ -106,15 +131,59 @@ class Ticket:
         except ValueError:
             raise RemoteProtocolError(f"unknown ticket transport {transport}") from None
         if kind is TicketTransport.TCP:
-            if len(mv) != off + 16:
+            if len(mv) < off + 16 or (ver == 1 and len(mv) != off + 16):
                 raise RemoteProtocolError("TCP ticket must end with a 16-byte token")
-            return cls(kind, rid, start, end, l0, l1, compat, token=bytes(mv[off:]))
+            model = _decode_extensions(mv, off + 16) if ver == 2 else ""
+            return cls(
+                kind, rid, start, end, l0, l1, compat, token=bytes(mv[off : off + 16]), model=model
+            )
         if len(mv) < off + 20:
             raise RemoteProtocolError("truncated UCX ticket")
         agent = bytes(mv[off : off + 16])
         (n,) = struct.unpack_from("<I", mv, off + 16)
         off += 20
-        if n > MAX_PAGES or len(mv) != off + 4 * n:
+        if n > MAX_PAGES or len(mv) < off + 4 * n or (ver == 1 and len(mv) != off + 4 * n):
             raise RemoteProtocolError("UCX ticket block table length mismatch")
-        bt = tuple(int(x) for x in np.frombuffer(mv[off:], dtype="<i4"))
-        return cls(kind, rid, start, end, l0, l1, compat, agent_id=agent, block_table=bt)
+        bt = tuple(int(x) for x in np.frombuffer(mv[off : off + 4 * n], dtype="<i4"))
+        model = _decode_extensions(mv, off + 4 * n) if ver == 2 else ""
+        return cls(
+            kind, rid, start, end, l0, l1, compat, agent_id=agent, block_table=bt, model=model
+        )
+
+
+def _decode_extensions(mv: memoryview, off: int) -> str:
+    """The model named by a version-2 ticket's extension records at ``off``
+    (which must be exactly the rest of the ticket)."""
+    if len(mv) < off + 2:
+        raise RemoteProtocolError("version-2 ticket lacks its extension length")
+    (n,) = struct.unpack_from("<H", mv, off)
+    off += 2
+    if len(mv) != off + n:
+        raise RemoteProtocolError("ticket extension length does not match the ticket")
+    model = ""
+    seen: set[int] = set()
+    end = off + n
+    while off < end:
+        if end - off < _EXT.size:
+            raise RemoteProtocolError("truncated ticket extension record")
+        tag, length = _EXT.unpack_from(mv, off)
+        off += _EXT.size
+        if off + length > end:
+            raise RemoteProtocolError(f"ticket extension {tag:#04x} overruns the ticket")
+        value = bytes(mv[off : off + length])
+        off += length
+        if tag in seen:
+            raise RemoteProtocolError(f"ticket extension {tag:#04x} appears twice")
+        seen.add(tag)
+        if tag == EXT_MODEL:
+            if length > MAX_MODEL:
+                raise RemoteProtocolError(f"ticket model id longer than {MAX_MODEL} bytes")
+            try:
+                model = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RemoteProtocolError("ticket model id is not UTF-8") from None
+        elif tag & EXT_CRITICAL:
+            raise RemoteProtocolError(
+                f"ticket needs extension {tag:#04x}, which this kvbridge does not know"
+            )
+    return model

@@ -112,6 +112,7 @@ class Hello:
     capabilities: int
     nonce: bytes
     identity: str
+    extension: bytes = b""  # the bytes after the identity: a peer description (4.7)
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ class HelloAck:
     nonce: bytes
     proof: bytes
     identity: str
+    extension: bytes = b""  # the bytes after the identity: a peer description (4.7)
 
 
 @dataclass(frozen=True)
@@ -310,7 +312,7 @@ def encode_payload(msg: Message) -> tuple[int, int, bytes]:
                 msg.capabilities,
                 msg.nonce,
             )
-            return FrameType.HELLO, 0, p + _s(msg.identity)
+            return FrameType.HELLO, 0, p + _s(msg.identity) + bytes(msg.extension)
         case HelloAck():
             p = _HELLO_ACK.pack(
                 msg.version,
@@ -322,7 +324,7 @@ def encode_payload(msg: Message) -> tuple[int, int, bytes]:
                 msg.nonce,
                 msg.proof,
             )
-            return FrameType.HELLO_ACK, 0, p + _s(msg.identity)
+            return FrameType.HELLO_ACK, 0, p + _s(msg.identity) + bytes(msg.extension)
         case Auth():
             return FrameType.AUTH, 0, bytes(msg.proof)
         case Ready():
@@ -450,12 +452,14 @@ def decode_payload(ftype: int, flags: int, payload: memoryview) -> Message:
         mn, mx, auth, _, ch, mf, caps, nonce = r.take(_HELLO)
         assert isinstance(nonce, bytes)
         a, b, c, d, e, f = _ints((mn, mx, auth, ch, mf, caps))
-        return Hello(a, b, c, d, e, f, nonce, r.string())
+        ident = r.string()
+        return Hello(a, b, c, d, e, f, nonce, ident, bytes(payload[r.pos :]))
     if ftype == FrameType.HELLO_ACK:
         v, auth, _, ch, mf, caps, nonce, proof = r.take(_HELLO_ACK)
         assert isinstance(nonce, bytes) and isinstance(proof, bytes)
         a, b, c, d, e = _ints((v, auth, ch, mf, caps))
-        return HelloAck(a, b, c, d, e, nonce, proof, r.string())
+        ident = r.string()
+        return HelloAck(a, b, c, d, e, nonce, proof, ident, bytes(payload[r.pos :]))
     if ftype == FrameType.AUTH:
         if len(payload) < PROOF_SIZE:
             raise RemoteProtocolError("AUTH payload is truncated")

@@ -8,7 +8,9 @@
     AUTH   (proof_c)                     ->
                                         <- READY
 
-Each side checks, in this order, the protocol version, the layout
+Each side checks, in this order, the protocol version, the peer's
+description (when both sides describe themselves: model, KV dtype, layers,
+heads, head range; see :mod:`kvbridge.wire.description`), the layout
 compatibility hash, the peer's identity and, with a pre-shared key, the
 peer's proof.  A failed check produces an ERROR frame (code + UTF-8 reason)
 for the peer and raises the matching typed error here.
@@ -32,6 +34,12 @@ from ..errors import (
     RemoteProtocolError,
     ResourceLimit,
     VersionMismatch,
+)
+from .description import (
+    PeerDescription,
+    decode_description,
+    describe_differences,
+    encode_description,
 )
 from .frames import (
     ALL_CAPABILITIES,
@@ -100,6 +108,7 @@ class PeerInfo:
     max_frame: int  # the largest payload the peer accepts
     capabilities: int
     authenticated: bool
+    description: PeerDescription | None = None  # what the peer serves, if it said
 
 
 _ERROR_CLASSES: dict[int, type[KVBridgeError]] = {
@@ -147,6 +156,7 @@ class _Base:
         max_frame: int,
         capabilities: int,
         nonce: bytes | None,
+        description: PeerDescription | None = None,
     ) -> None:
         if max_frame < MIN_MAX_FRAME or max_frame > 0xFFFFFFFF:
             raise ValueError(f"max_frame must be in [{MIN_MAX_FRAME}, 2**32)")
@@ -155,12 +165,36 @@ class _Base:
         self.max_frame = max_frame
         self.capabilities = capabilities
         self.nonce = nonce if nonce is not None else os.urandom(NONCE_SIZE)
+        self.description = description
         self.peer: PeerInfo | None = None
         self.error: Error | None = None  # the ERROR frame to send after a failure
 
     def _fail(self, exc: KVBridgeError, code: ErrorCode) -> KVBridgeError:
         self.error = Error(int(code), str(exc))
         return exc
+
+    def _extension(self) -> bytes:
+        return encode_description(self.description) if self.description is not None else b""
+
+    def _check_description(
+        self, extension: bytes, role: str, identity: str
+    ) -> PeerDescription | None:
+        """The peer's description; refuse a malformed one, and one that does
+        not fit ours (only when both sides describe themselves)."""
+        try:
+            theirs = decode_description(extension)
+        except RemoteProtocolError as e:
+            raise self._fail(e, ErrorCode.PROTOCOL_ERROR) from None
+        if theirs is not None and self.description is not None:
+            diffs = describe_differences(theirs, self.description)
+            if diffs:
+                raise self._fail(
+                    IncompatiblePeer(
+                        f"{role} {identity!r} does not fit (theirs != ours): " + "; ".join(diffs)
+                    ),
+                    ErrorCode.INCOMPATIBLE_LAYOUT,
+                )
+        return theirs
 
 
 class ClientHandshake(_Base):
@@ -177,10 +211,12 @@ class ClientHandshake(_Base):
         max_frame: int = DEFAULT_MAX_FRAME,
         capabilities: int = ALL_CAPABILITIES,
         nonce: bytes | None = None,
+        description: PeerDescription | None = None,
     ) -> None:
-        super().__init__(identity, compat_hash, max_frame, capabilities, nonce)
+        super().__init__(identity, compat_hash, max_frame, capabilities, nonce, description)
         self.psk = psk
         self.expected_peer = expected_peer
+        self._peer_description: PeerDescription | None = None
         self._ack: HelloAck | None = None
 
     def hello(self) -> Hello:
@@ -194,6 +230,7 @@ class ClientHandshake(_Base):
             self.capabilities,
             self.nonce,
             self.identity,
+            self._extension(),
         )
 
     def on_hello_ack(self, ack: HelloAck) -> Auth:
@@ -204,6 +241,7 @@ class ClientHandshake(_Base):
                 VersionMismatch(f"server chose protocol version {ack.version}; we speak {lo}-{hi}"),
                 ErrorCode.VERSION_MISMATCH,
             )
+        self._peer_description = self._check_description(ack.extension, "receiver", ack.identity)
         if ack.compat_hash != self.compat_hash:
             raise self._fail(
                 IncompatiblePeer(
@@ -262,7 +300,13 @@ class ClientHandshake(_Base):
             raise RemoteProtocolError("READY before HELLO_ACK")
         a = self._ack
         self.peer = PeerInfo(
-            a.identity, a.version, a.compat_hash, a.max_frame, a.capabilities, bool(self.psk)
+            a.identity,
+            a.version,
+            a.compat_hash,
+            a.max_frame,
+            a.capabilities,
+            bool(self.psk),
+            self._peer_description,
         )
         return self.peer
 
@@ -282,13 +326,15 @@ class ServerHandshake(_Base):
         capabilities: int = ALL_CAPABILITIES,
         nonce: bytes | None = None,
         admit: Callable[[str], None] | None = None,
+        description: PeerDescription | None = None,
     ) -> None:
-        super().__init__(identity, compat_hash, max_frame, capabilities, nonce)
+        super().__init__(identity, compat_hash, max_frame, capabilities, nonce, description)
         self.psk = psk
         self.allowed = allowed_identities
         self.admit = admit
         self._hello: Hello | None = None
         self._key: bytes | None = None
+        self._peer_description: PeerDescription | None = None
 
     def on_hello(self, hello: Hello) -> HelloAck:
         lo, hi = SUPPORTED_VERSIONS
@@ -304,6 +350,7 @@ class ServerHandshake(_Base):
                 ),
                 ErrorCode.VERSION_MISMATCH,
             )
+        self._peer_description = self._check_description(hello.extension, "sender", hello.identity)
         if hello.compat_hash != self.compat_hash:
             raise self._fail(
                 IncompatiblePeer(
@@ -367,6 +414,7 @@ class ServerHandshake(_Base):
             self.nonce,
             proof,
             self.identity,
+            self._extension(),
         )
 
     def on_auth(self, auth: Auth) -> Ready:
@@ -397,6 +445,7 @@ class ServerHandshake(_Base):
             h.max_frame,
             h.capabilities,
             bool(self._key),
+            self._peer_description,
         )
         return Ready()
 

@@ -366,6 +366,9 @@ async def connect(
         raise HandshakeTimeout(
             f"handshake with {host}:{port} took over {handshake_timeout} s"
         ) from None
+    except asyncio.CancelledError:  # a caller's own deadline: leave no socket behind
+        conn.abort_transport()
+        raise
     conn.set_max_payload(handshake.max_frame)
     return conn
 

@@ -37,6 +37,7 @@ from ...errors import (
     TransferTimeout,
 )
 from ...wire.chunk import decode_chunk
+from ...wire.description import PeerDescription
 from ...wire.frames import (
     DATA_HEADER_SIZE,
     DEFAULT_MAX_FRAME,
@@ -171,10 +172,12 @@ class TcpReceiver:
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 20.0,
         workers: int | None = None,
+        description: PeerDescription | None = None,
     ) -> None:
         self.host, self._port = host, port
         self.identity = identity
         self.compat_hash = compat_hash
+        self.description = description  # sent in HELLO_ACK (docs/protocol.md 4.7)
         self.psk = psk
         self.allowed = allowed_identities
         self.ssl = ssl
@@ -330,6 +333,7 @@ class TcpReceiver:
             allowed_identities=self.allowed,
             max_frame=self.limits.max_frame,
             admit=admit,
+            description=self.description,
         )
         try:
             peer: PeerInfo = await serve_handshake(conn, hs, self.handshake_timeout)

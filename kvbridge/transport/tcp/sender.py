@@ -38,6 +38,7 @@ from ...errors import (
     VersionMismatch,
 )
 from ...wire.chunk import encode_chunk
+from ...wire.description import PeerDescription
 from ...wire.frames import (
     ALL_CAPABILITIES,
     DATA_HEADER_SIZE,
@@ -216,6 +217,7 @@ class TcpSender:
         scheduler: str = "srpt",
         max_resends: int = 8,
         workers: int | None = None,
+        description: PeerDescription | None = None,
     ) -> None:
         if streams < 1:
             raise InvalidArgument("streams must be >= 1")
@@ -231,6 +233,7 @@ class TcpSender:
         self.chunk_size = chunk_size
         self.identity = identity
         self.compat_hash = compat_hash
+        self.description = description  # sent in HELLO (docs/protocol.md 4.7)
         self.psk = psk
         self.ssl = ssl
         self.server_hostname = server_hostname
@@ -299,6 +302,7 @@ class TcpSender:
             psk=self.psk,
             expected_peer=self.expected_peer,
             capabilities=ALL_CAPABILITIES,
+            description=self.description,
         )
         conn = await connect(
             self.host,

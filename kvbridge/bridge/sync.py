@@ -1,0 +1,682 @@
+"""The synchronous, thread-safe front end: what an engine's connector calls
+from its own threads, polled once per scheduler step.
+
+:class:`SyncBridge` runs kvbridge's event loop in a thread of its own (it
+starts it in :meth:`~SyncBridge.start` and ends it in :meth:`~SyncBridge.close`)
+and drives a :class:`~kvbridge.bridge.PrefillBridge` (sending, with leases)
+and, when it listens or has UCX, a :class:`~kvbridge.bridge.DecodeBridge`
+(receiving) on it: one object may both send and receive (vLLM's
+``kv_both``).  Every method may be called from several threads at once; none
+blocks longer than its bound (``call_timeout``, or a connect's
+``connect_timeout``); none needs an event loop in the caller's thread.
+Outcomes are collected as they happen and handed out by :meth:`~SyncBridge.poll`,
+which never blocks.  docs/engine-integration.md shows the calls in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import ssl as _ssl
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from .._waits import wait_within
+from ..errors import (
+    BridgeClosed,
+    CallTimeout,
+    ConnectTimeout,
+    InvalidArgument,
+    KVBridgeError,
+    PeerGone,
+    Unavailable,
+)
+from ..pack import PagedKVCache
+from ..transport.tcp.receiver import ReceiverLimits
+from ..wire.frames import CONTROL_FIRST
+from .decode import DecodeBridge, Expectation
+from .events import BridgeEvents, TransferDone, TransferFailed
+from .handles import Delivery, DeliveryStats, Outcome, SendGroup
+from .identity import check_model_id
+from .leases import DEFAULT_LEASE, check_lease_seconds
+from .loop import LoopThread
+from .metrics import BridgeMetrics
+from .prefill import LayerwiseSend, PeerConfig, PrefillBridge
+from .ticket import Ticket
+
+__all__ = ["BridgeEvents", "SyncBridge", "TransferDone", "TransferFailed"]
+
+log = logging.getLogger("kvbridge.bridge")
+ControlFn = Callable[[str, int, bytes], None]
+_CONNECT_SLACK = 0.5  # beyond connect_timeout, for the loop thread to answer
+
+
+class _Send:
+    def __init__(self, group: SendGroup) -> None:
+        self.group = group
+        self.reported: set[str] = set()
+        self.released = False
+
+
+class _Recv:
+    def __init__(self, rid: str, peer: str, exp: Expectation) -> None:
+        self.rid = rid
+        self.peer = peer
+        self.exp = exp
+        self.reported = False
+
+
+_NEW, _RUNNING, _CLOSING, _CLOSED = "new", "running", "closing", "closed"
+
+
+class SyncBridge:
+    """One engine's bridge, called from plain threads.
+
+    ``cache`` is the engine's paged KV cache; ``identity`` its name at every
+    handshake; ``model_id`` the model it serves (a name or a digest of the
+    weights: peers serving another model are refused).  ``tcp_listen=(host,
+    port)`` also makes it a TCP receiver (``psk``, ``ssl``,
+    ``allowed_identities``, ``limits`` as for :class:`DecodeBridge`);
+    ``ucx=True`` registers the cache for UCX (sending and receiving share
+    the one agent).  ``lease_timeout`` is the default lease of a send's
+    pages, ``call_timeout`` the bound on every blocking call, ``metrics`` a
+    :class:`~kvbridge.bridge.metrics.BridgeMetrics` (None: a private one,
+    as ``.metrics``).  ``clock`` is the lease clock (tests pass a fake one
+    and call :meth:`expire_leases`).
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        *,
+        identity: str = "kvbridge",
+        model_id: str = "",
+        tcp_listen: tuple[str, int] | None = None,
+        psk: bytes | dict[str, bytes] | None = None,
+        ssl: _ssl.SSLContext | None = None,
+        allowed_identities: frozenset[str] | None = None,
+        ucx: bool = False,
+        ucx_options: dict[str, Any] | None = None,
+        lease_timeout: float = DEFAULT_LEASE,
+        call_timeout: float = 10.0,
+        metrics: BridgeMetrics | None = None,
+        limits: ReceiverLimits | None = None,
+        keepalive_interval: float = 5.0,
+        keepalive_timeout: float = 20.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not hasattr(cache, "layout"):
+            raise InvalidArgument(f"cache must be a kvbridge.pack.PagedKVCache, not {cache!r}")
+        _seconds(call_timeout, "call_timeout")
+        check_lease_seconds(lease_timeout, "lease_timeout")
+        self.cache = cache
+        self.identity = identity
+        self.model_id = check_model_id(model_id)
+        self.call_timeout = float(call_timeout)
+        self.lease_timeout = float(lease_timeout)
+        self.metrics = metrics if metrics is not None else BridgeMetrics()
+        self._cfg: dict[str, Any] = dict(
+            tcp_listen=tcp_listen,
+            psk=psk,
+            ssl=ssl,
+            allowed_identities=allowed_identities,
+            limits=limits,
+            keepalive_interval=keepalive_interval,
+            keepalive_timeout=keepalive_timeout,
+        )
+        self._ucx = bool(ucx)
+        self._ucx_options = dict(ucx_options or {})
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._state = _NEW
+        self._events = BridgeEvents()
+        self._sends: dict[str, _Send] = {}
+        self._recvs: dict[str, _Recv] = {}
+        self._control: dict[int, ControlFn] = {}
+        self._connecting: set[str] = set()
+        self._loop: LoopThread | None = None
+        self._prefill: PrefillBridge | None = None
+        self._decode: DecodeBridge | None = None
+        self._tcp_port: int | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self) -> SyncBridge:
+        """Start kvbridge's loop thread, the listener and the UCX agent;
+        returns the bridge.  A second call returns at once."""
+        if not self._start_lock.acquire(timeout=2 * self.call_timeout):
+            raise CallTimeout("start() is still running in another thread")
+        try:
+            with self._lock:
+                if self._state in (_CLOSING, _CLOSED):
+                    raise BridgeClosed("the bridge is closed; make a new one")
+                if self._state == _RUNNING:
+                    return self
+            lt = LoopThread(f"kvbridge-{self.identity}")
+            try:
+                lt.call(self._astart, self.call_timeout, "start()")
+            except BaseException:
+                try:
+                    lt.call(self._aclose_parts, self.call_timeout, "start() cleanup")
+                except KVBridgeError:
+                    pass
+                lt.stop(self.call_timeout)
+                raise
+            with self._lock:
+                self._loop = lt
+                self._state = _RUNNING
+            return self
+        finally:
+            self._start_lock.release()
+
+    async def _astart(self) -> None:
+        view = self.metrics.for_bridge(self.identity, self.model_id)
+        cfg = self._cfg
+        if cfg["tcp_listen"] is not None or self._ucx:
+            self._decode = DecodeBridge(
+                self.cache,
+                identity=self.identity,
+                model_id=self.model_id,
+                tcp_listen=cfg["tcp_listen"],
+                psk=cfg["psk"],
+                ssl=cfg["ssl"],
+                allowed_identities=cfg["allowed_identities"],
+                limits=cfg["limits"],
+                ucx=self._ucx,
+                ucx_options=self._ucx_options,
+                keepalive_interval=cfg["keepalive_interval"],
+                keepalive_timeout=cfg["keepalive_timeout"],
+                metrics=view,
+            )
+            try:
+                await self._decode.start()
+            except OSError as e:  # the address is taken, or not ours
+                raise Unavailable(f"cannot listen on {cfg['tcp_listen']}: {e}") from e
+            if cfg["tcp_listen"] is not None:
+                self._tcp_port = int(self._decode.tcp_address[1])
+        self._prefill = PrefillBridge(
+            self.cache,
+            identity=self.identity,
+            model_id=self.model_id,
+            ucx_options=self._ucx_options,
+            ucx_agent=self._decode.ucx_agent if self._ucx and self._decode else None,
+            lease_timeout=self.lease_timeout,
+            clock=self._clock,
+            metrics=view,
+        )
+        for ft in list(self._control):
+            self._install_control(ft)
+
+    async def _aclose_parts(self) -> None:
+        if self._prefill is not None:
+            await self._prefill.close()
+        if self._decode is not None:
+            await self._decode.close()
+
+    def close(self) -> BridgeEvents:
+        """End every pending transfer (at both ends, each reported with
+        :class:`~kvbridge.errors.BridgeClosed`), close the connections, the
+        listener and the UCX agent, and stop the loop thread, within
+        ``call_timeout``.  Returns the events not yet polled, those endings
+        included.  After it, every call raises ``BridgeClosed`` at once (a
+        second ``close()`` returns empty events)."""
+        with self._lock:
+            if self._state in (_CLOSING, _CLOSED):
+                return BridgeEvents()
+            if self._state == _NEW:
+                self._state = _CLOSED
+                return BridgeEvents()
+            self._state = _CLOSING
+            lt = self._loop
+        assert lt is not None
+        deadline = time.monotonic() + self.call_timeout
+        try:
+            lt.call(self._aclose, self.call_timeout, "close()")
+        except KVBridgeError as e:
+            log.warning("bridge %r did not close cleanly: %s", self.identity, e)
+            self._end_pending()  # whatever the loop could not report
+        finally:
+            lt.stop(deadline - time.monotonic())
+            with self._lock:
+                self._state = _CLOSED
+                ev, self._events = self._events, BridgeEvents()
+        return ev
+
+    def _end_pending(self) -> tuple[list[_Send], list[_Recv]]:
+        """Report every pending transfer as ended by close (once each)."""
+        err = BridgeClosed(f"bridge {self.identity!r} closed with the transfer pending")
+        with self._lock:
+            sends, recvs = list(self._sends.values()), list(self._recvs.values())
+            self._sends.clear()
+            self._recvs.clear()
+            for s in sends:
+                for name in s.group.destinations:
+                    if name not in s.reported:
+                        s.reported.add(name)
+                        self._events.failed.append(
+                            TransferFailed(s.group.request_id, name, "send", err)
+                        )
+                if not s.released:
+                    s.released = True
+                    self._events.released.append(s.group.request_id)
+            for r in recvs:
+                if not r.reported:
+                    r.reported = True
+                    self._events.failed.append(TransferFailed(r.rid, r.peer, "recv", err))
+        return sends, recvs
+
+    async def _aclose(self) -> None:
+        sends, recvs = self._end_pending()
+        err = BridgeClosed(f"bridge {self.identity!r} closed")
+        for s in sends:
+            s.group.fail(err)
+        for r in recvs:
+            r.exp.cancel(str(err))
+        await self._aclose_parts()
+
+    def __enter__(self) -> SyncBridge:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- state ----------------------------------------------------------------------
+    def _running(self, what: str) -> LoopThread:
+        with self._lock:
+            if self._state == _RUNNING and self._loop is not None:
+                return self._loop
+            if self._state == _NEW:
+                raise InvalidArgument(f"{what}: call start() first")
+        raise BridgeClosed(f"{what}: the bridge is closed")
+
+    def _on_loop_check(self, what: str) -> None:
+        """On the loop: a call that raced close() must not act."""
+        if self._state != _RUNNING:
+            raise BridgeClosed(f"{what}: the bridge is closed")
+
+    @property
+    def running(self) -> bool:
+        return self._state == _RUNNING
+
+    # ---- addresses ------------------------------------------------------------------
+    @property
+    def tcp_port(self) -> int:
+        """The port the TCP listener is bound to (``tcp_listen``)."""
+        self._running("tcp_port")
+        if self._tcp_port is None:
+            raise Unavailable("this bridge has no TCP listener (tcp_listen=None)")
+        return self._tcp_port
+
+    def ucx_metadata(self) -> bytes:
+        """The opaque bytes a peer passes to ``connect`` (``PeerConfig("ucx",
+        metadata=...)``): this bridge's description around its UCX agent's
+        registration blob."""
+        lt = self._running("ucx_metadata()")
+
+        def run() -> bytes:
+            self._on_loop_check("ucx_metadata()")
+            if self._decode is None or not self._ucx:
+                raise Unavailable("this bridge was started with ucx=False")
+            return self._decode.ucx_metadata()
+
+        return lt.call_fn(run, self.call_timeout, "ucx_metadata()")
+
+    # ---- peers ----------------------------------------------------------------------
+    def connect(self, name: str, peer: PeerConfig) -> None:
+        """Connect a destination by name (TCP across the WAN, UCX inside the
+        datacenter).  Bounded by ``peer.connect_timeout``; raises the
+        handshake's typed error (``IncompatiblePeer`` says what differs)."""
+        lt = self._running("connect()")
+        if not isinstance(peer, PeerConfig):
+            raise InvalidArgument(f"peer must be a PeerConfig, not {peer!r}")
+        timeout = float(peer.connect_timeout)
+
+        async def run() -> None:
+            self._on_loop_check("connect()")
+            assert self._prefill is not None
+            if name in self._connecting or name in self._prefill.destinations:
+                raise InvalidArgument(f"destination {name!r} is already connected")
+            self._connecting.add(name)
+            try:
+                await wait_within(
+                    self._prefill.connect(name, peer),
+                    timeout,
+                    lambda: ConnectTimeout(f"{name}: not connected within {timeout:g} s"),
+                )
+            finally:
+                self._connecting.discard(name)
+            if self._state != _RUNNING:
+                raise BridgeClosed("connect(): the bridge closed meanwhile")
+            for ft in list(self._control):
+                self._install_control(ft, only=name)
+
+        lt.call(run, timeout + _CONNECT_SLACK, f"connect({name!r})")
+
+    @property
+    def destinations(self) -> list[str]:
+        lt = self._running("destinations")
+        return lt.call_fn(
+            lambda: list(self._prefill.destinations) if self._prefill else [],
+            self.call_timeout,
+            "destinations",
+        )
+
+    # ---- receiving ------------------------------------------------------------------
+    def expect(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        start: int,
+        end: int,
+        *,
+        layers: tuple[int, int] | None = None,
+        via: str = "tcp",
+        timeout: float = 60.0,
+        peer: str = "",
+    ) -> bytes:
+        """Expect tokens ``[start, end)`` of a request into our pages
+        ``block_table``; returns the ticket (opaque bytes) for the sender.
+        The outcome arrives through :meth:`poll` (``received`` or ``failed``,
+        ``peer`` as given here).  The block table is copied."""
+        lt = self._running("expect()")
+        rid = str(request_id)
+        bt = _table(block_table)
+        _seconds(timeout, "timeout")
+
+        def run() -> bytes:
+            self._on_loop_check("expect()")
+            if self._decode is None:
+                raise Unavailable(
+                    "this bridge does not receive: start it with tcp_listen=(host, port) "
+                    "or ucx=True"
+                )
+            with self._lock:
+                if rid in self._recvs:
+                    raise InvalidArgument(f"request {rid!r} is already expected")
+            exp = self._decode.expect(rid, bt, start, end, layers=layers, via=via, timeout=timeout)
+            st = _Recv(rid, peer, exp)
+            with self._lock:
+                self._recvs[rid] = st
+            exp.add_done_callback(lambda d: self._on_received(st, d))
+            return exp.ticket
+
+        return lt.call_fn(run, self.call_timeout, "expect()")
+
+    def _on_received(self, st: _Recv, d: Delivery) -> None:
+        out = d.outcome()
+        with self._lock:
+            if self._recvs.get(st.rid) is st:
+                del self._recvs[st.rid]
+            if st.reported or out is None:
+                return
+            st.reported = True
+            if isinstance(out, DeliveryStats):
+                self._events.received.append(TransferDone(st.rid, st.peer, out))
+            else:
+                self._events.failed.append(TransferFailed(st.rid, st.peer, "recv", out))
+
+    # ---- sending --------------------------------------------------------------------
+    def send(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        tickets: Mapping[str, bytes | Ticket],
+        *,
+        priority: int = 0,
+        timeout: float = 60.0,
+        lease: float | None = None,
+        layerwise: bool = False,
+        layer_timeout: float = 30.0,
+    ) -> None:
+        """Send a request's KV to every destination whose ticket is given;
+        returns once it has started.  Every ticket is checked first (a bad
+        one raises here and nothing moves).  The pages stay leased to
+        kvbridge until :meth:`poll` lists the request in ``released`` (at
+        most ``lease`` seconds, default ``lease_timeout``, unless renewed).
+        ``layerwise``: the layers leave as :meth:`layers_ready` releases them."""
+        lt = self._running("send()")
+        rid = str(request_id)
+        bt = _table(block_table)
+        _seconds(timeout, "timeout")
+        _seconds(layer_timeout, "layer_timeout")
+        tk = {str(n): _ticket_bytes(n, t) for n, t in dict(tickets).items()}
+
+        def run() -> None:
+            self._on_loop_check("send()")
+            assert self._prefill is not None
+            with self._lock:
+                if rid in self._sends:
+                    raise InvalidArgument(f"request {rid!r} is being sent already")
+            group: SendGroup
+            if layerwise:
+                group = self._prefill.send_layerwise(
+                    rid,
+                    bt,
+                    tk,
+                    priority=priority,
+                    timeout=timeout,
+                    layer_timeout=layer_timeout,
+                    lease=lease,
+                )
+            else:
+                group = self._prefill.send(
+                    rid, bt, tk, priority=priority, timeout=timeout, lease=lease
+                )
+            st = _Send(group)
+            with self._lock:
+                self._sends[rid] = st
+            group.on_outcome(lambda name, out: self._on_sent(st, name, out))
+            group.on_done(lambda _g: self._on_released(st))
+
+        lt.call_fn(run, self.call_timeout, "send()")
+
+    def _on_sent(self, st: _Send, name: str, out: Outcome) -> None:
+        rid = st.group.request_id
+        with self._lock:
+            if name in st.reported:
+                return
+            st.reported.add(name)
+            if isinstance(out, DeliveryStats):
+                self._events.sent.append(TransferDone(rid, name, out))
+            else:
+                self._events.failed.append(TransferFailed(rid, name, "send", out))
+
+    def _on_released(self, st: _Send) -> None:
+        rid = st.group.request_id
+        with self._lock:
+            if self._sends.get(rid) is st:
+                del self._sends[rid]
+            if not st.released:
+                st.released = True
+                self._events.released.append(rid)
+
+    def layers_ready(self, request_id: str | int, n: int) -> bool:
+        """Layers ``[0, n)`` of a layer-wise send are computed: let them
+        leave.  False when the request has no running send (it ended)."""
+        lt = self._running("layers_ready()")
+        rid = str(request_id)
+
+        def run() -> bool:
+            self._on_loop_check("layers_ready()")
+            with self._lock:
+                st = self._sends.get(rid)
+            if st is None:
+                return False
+            if not isinstance(st.group, LayerwiseSend):
+                raise InvalidArgument(f"request {rid!r} was not sent with layerwise=True")
+            st.group.layers_ready(int(n))
+            return True
+
+        return lt.call_fn(run, self.call_timeout, "layers_ready()")
+
+    def renew_lease(self, request_id: str | int, seconds: float | None = None) -> bool:
+        """Extend a running send's lease to ``seconds`` from now (None: the
+        length it was granted with).  False when the request holds no lease."""
+        lt = self._running("renew_lease()")
+        rid = str(request_id)
+
+        def run() -> bool:
+            self._on_loop_check("renew_lease()")
+            assert self._prefill is not None
+            return self._prefill.renew_lease(rid, seconds)
+
+        return lt.call_fn(run, self.call_timeout, "renew_lease()")
+
+    def expire_leases(self) -> list[str]:
+        """Abort the sends whose lease has run out now (by the lease clock);
+        the bridge does this by itself on a timer.  Returns their ids."""
+        lt = self._running("expire_leases()")
+
+        def run() -> list[str]:
+            self._on_loop_check("expire_leases()")
+            assert self._prefill is not None
+            return self._prefill.expire_leases()
+
+        return lt.call_fn(run, self.call_timeout, "expire_leases()")
+
+    def cancel(self, request_id: str | int, reason: str = "cancelled by the engine") -> bool:
+        """Abort a request's send and its expected receive at both ends; the
+        endings arrive through :meth:`poll` (``Cancelled`` here, a typed
+        error at the peer).  False when nothing of it was running."""
+        lt = self._running("cancel()")
+        rid = str(request_id)
+
+        def run() -> bool:
+            self._on_loop_check("cancel()")
+            with self._lock:
+                s, r = self._sends.get(rid), self._recvs.get(rid)
+            if s is not None:
+                s.group.cancel(reason)
+            if r is not None:
+                r.exp.cancel(reason)
+            return s is not None or r is not None
+
+        return lt.call_fn(run, self.call_timeout, "cancel()")
+
+    # ---- outcomes -------------------------------------------------------------------
+    def poll(self) -> BridgeEvents:
+        """Everything that finished since the last call; never blocks."""
+        with self._lock:
+            if self._state == _CLOSED:
+                raise BridgeClosed("poll(): the bridge is closed (close() returned the rest)")
+            ev, self._events = self._events, BridgeEvents()
+        return ev
+
+    @property
+    def pending(self) -> tuple[list[str], list[str]]:
+        """Request ids of the sends and the receives still running."""
+        with self._lock:
+            return list(self._sends), list(self._recvs)
+
+    # ---- control messages ---------------------------------------------------------------
+    def send_control(self, peer: str, frame_type: int, payload: bytes) -> None:
+        """A CONTROL frame (type 0x40-0xFF, docs/protocol.md 8) to a TCP
+        destination by name, or to a sender connected to us by its identity."""
+        lt = self._running("send_control()")
+        ft = _control_type(frame_type)
+        data = bytes(payload)
+
+        def run() -> None:
+            self._on_loop_check("send_control()")
+            assert self._prefill is not None
+            if peer in self._prefill._tcp:
+                self._prefill.tcp_sender(peer).send_control(ft, data)
+                return
+            rx = self._decode._tcp if self._decode is not None else None
+            if rx is not None and peer in rx.peer_identities():
+                rx.send_control(peer, ft, data)
+                return
+            raise PeerGone(f"no TCP connection to or from {peer!r}")
+
+        lt.call_fn(run, self.call_timeout, "send_control()")
+
+    def on_control(self, frame_type: int, fn: ControlFn) -> None:
+        """Call ``fn(peer, frame_type, payload)`` on kvbridge's loop thread for
+        each CONTROL frame of that type, from a destination (its name) or from
+        a sender connected to us (its identity).  ``fn`` must not block; an
+        exception in it is logged and the connection stays up."""
+        ft = _control_type(frame_type)
+        if not callable(fn):
+            raise InvalidArgument("on_control needs a callable fn(peer, frame_type, payload)")
+        with self._lock:
+            if self._state in (_CLOSING, _CLOSED):
+                raise BridgeClosed("on_control(): the bridge is closed")
+            self._control[ft] = fn
+            lt = self._loop if self._state == _RUNNING else None
+        if lt is not None:
+            lt.call_fn(lambda: self._install_control(ft), self.call_timeout, "on_control()")
+
+    def _install_control(self, ft: int, only: str | None = None) -> None:
+        def dispatch(peer: str, t: int, payload: bytes) -> None:
+            fn = self._control.get(t)
+            if fn is None:
+                return
+            try:
+                fn(peer, t, bytes(payload))
+            except Exception:
+                log.exception("the CONTROL %#x handler of bridge %r raised", t, self.identity)
+
+        rx = self._decode._tcp if self._decode is not None else None
+        if rx is not None and only is None:
+            rx.on_control(
+                ft, lambda conn, t, p: dispatch(conn.peer.identity if conn.peer else "", t, p)
+            )
+        if self._prefill is not None:
+            for name, sender in self._prefill._tcp.items():
+                if only is None or name == only:
+                    sender.on_control(ft, _from_destination(name, dispatch))
+
+
+def _from_destination(
+    name: str, dispatch: Callable[[str, int, bytes], None]
+) -> Callable[[Any, int, bytes], None]:
+    def handler(_conn: Any, t: int, payload: bytes) -> None:
+        dispatch(name, t, payload)
+
+    return handler
+
+
+def _table(block_table: Any) -> np.ndarray:
+    """A private int32 copy of an engine's block table (list, array or tensor)."""
+    try:
+        if hasattr(block_table, "detach"):  # a torch tensor, on any device
+            block_table = block_table.detach().cpu().numpy()
+        bt = np.array(block_table, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"block_table must be a sequence of page ids: {e}") from None
+    if bt.size and (bt.min() < np.iinfo(np.int32).min or bt.max() > np.iinfo(np.int32).max):
+        raise InvalidArgument("block_table has page ids outside int32")
+    return bt.astype(np.int32)
+
+
+def _seconds(value: float, what: str) -> float:
+    """A bound in seconds: finite and > 0 (a wait without one would not end)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidArgument(f"{what} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def _ticket_bytes(name: object, t: object) -> bytes | Ticket:
+    if isinstance(t, Ticket):
+        return t
+    if not isinstance(t, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{name}: a ticket is the bytes expect() returned, not {t!r}")
+    return bytes(t)
+
+
+def _control_type(frame_type: int) -> int:
+    if isinstance(frame_type, bool) or not isinstance(frame_type, int | np.integer):
+        raise InvalidArgument(f"frame_type must be an int in 0x40-0xFF, got {frame_type!r}")
+    ft = int(frame_type)
+    if not CONTROL_FIRST <= ft <= 0xFF:
+        raise InvalidArgument(f"CONTROL frame type {ft:#x} outside 0x40-0xFF")
+    return ft
