@@ -74,6 +74,7 @@ DEPOT = (
     "locomotives, of their brakes and of their doors, with the name of the engineer. " * 10
 )
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
 LONG = ("The history of the railway begins with wooden rails in the mines of the sixteenth "
         "century, and it continues through the age of steam. ") * 60  # fmt: skip
 
@@ -94,40 +95,11 @@ def model_dir() -> str:
 
 
 def _tokenize(url: str, text: str) -> list[int]:
-    return [
-        int(t) for t in post_json(f"{url}/tokenize", {"model": "smollm2", "prompt": text})["tokens"]
-    ]
+    return [int(t) for t in post_json(f"{url}/tokenize", {"model": "smollm2", "prompt": text})["tokens"]]
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: str, workdir: Path) -> dict[str, Any]:
-    """Greedy outputs of one vLLM instance alone, for every prompt of this file."""
-    from kvbridge.cli.vllm_cluster import ServerSpec, VllmServer, free_port
-
-    spec = ServerSpec(
-        "reference", model_dir, free_port(), block_size=MD_BLOCK, num_blocks=256, dtype=DTYPE
-    )
-    srv = VllmServer(spec, log_path=workdir / "reference.log").start()
-    out: dict[str, Any] = {}
-    try:
-        srv.wait_ready()
-        for text in [*PROMPTS, *PDD_PROMPTS, LONG, "Hello"]:
-            ids = _tokenize(srv.url, text)
-            n = 48 if text in PDD_PROMPTS else MAX_TOKENS
-            c = complete(
-                srv.url, {"model": "smollm2", "prompt": ids, "max_tokens": n, "temperature": 0}
-            )
-            assert c.error is None, c.error
-            out[text] = (ids, c)
-        body = {"model": "smollm2", "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
-        out["chat"] = complete(srv.url, body, path="/v1/chat/completions")
-    finally:
-        srv.stop()
-    return out
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir: str, workdir: Path, reference: dict[str, Any]) -> Any:
+def cluster(model_dir: str, workdir: Path) -> Any:
     spec = ClusterSpec(
         model_dir=model_dir,
         workdir=workdir,
@@ -141,7 +113,7 @@ def cluster(model_dir: str, workdir: Path, reference: dict[str, Any]) -> Any:
         md_policy="recompute",
         rld_policy="fail",
         recv_timeout_s=15.0,
-        proxy_args=["--relay-token-cap", "16", "--pipeline", "p-md"],
+        proxy_args=["--relay-token-cap", "16", "--pipeline", "p-md", "--await-tickets-s", "10"],
     )
     c = VllmCluster(spec)
     try:
@@ -154,6 +126,33 @@ def cluster(model_dir: str, workdir: Path, reference: dict[str, Any]) -> Any:
         raise
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: VllmCluster) -> dict[str, Any]:
+    """Greedy outputs of one vLLM engine computing each prompt by itself: the
+    main decode's engine (block size 64), no kv_transfer_params, and a
+    cache_salt of its own per prompt, so that no block is shared with any
+    other request."""
+    md = cluster.engine_url("md")
+    moved = metric_sum(md, "vllm:kvbridge_bytes_received")
+    out: dict[str, Any] = {}
+    for text in [*PROMPTS, *PDD_PROMPTS, LONG, "Hello"]:
+        ids = _tokenize(md, text)
+        n = 48 if text in PDD_PROMPTS else MAX_TOKENS
+        body = {"model": "smollm2", "prompt": ids, "max_tokens": n, "temperature": 0}
+        c = complete(md, {**body, "cache_salt": os.urandom(8).hex()})
+        assert c.error is None, c.error
+        out[text] = (ids, c)
+    ids = out[PROMPTS[4]][0]
+    body = {"model": "smollm2", "prompt": ids, "max_tokens": MAX_TOKENS, **SAMPLED}
+    out["sampled"] = complete(md, {**body, "cache_salt": os.urandom(8).hex()})
+    body = {"model": "smollm2", "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    salted = {**body, "cache_salt": os.urandom(8).hex()}
+    out["chat"] = complete(md, salted, path="/v1/chat/completions")
+    # none of it came through kvbridge
+    assert metric_sum(md, "vllm:kvbridge_bytes_received") == moved
+    return out
 
 
 def _ask(cluster: VllmCluster, text: str, n: int = MAX_TOKENS, **kw: Any) -> Completion:
@@ -188,6 +187,19 @@ def test_p_md_greedy_equals_one_instance(cluster: VllmCluster, reference: dict[s
         assert got.text == ref.text
     assert metric_sum(md, "vllm:kvbridge_bytes_received") > 0
     assert metric_sum(md, "vllm:kvbridge_failed_transfers") == 0
+
+
+def test_p_md_seeded_sample_equals_one_instance(
+    cluster: VllmCluster, reference: dict[str, Any]
+) -> None:
+    """Sampled with a seed, P-MD draws what the engine alone draws: the
+    decode samples the first token with its generator's first draw."""
+    ref = reference["sampled"]
+    got = _ask(cluster, PROMPTS[4], **SAMPLED)
+    assert got.error is None, got.error
+    assert got.token_ids == ref.token_ids
+    greedy = reference[PROMPTS[4]][1].token_ids
+    assert got.token_ids != greedy  # it did sample
 
 
 def test_shared_prefix_moves_only_missing_blocks(
@@ -254,7 +266,8 @@ def test_pdd_streams_equal_one_instance(cluster: VllmCluster, reference: dict[st
     stats = get_json(cluster.url + "/stats")
     recs = stats["requests"]
     assert [r["pipeline"] for r in recs] == ["P-RLD-MD"] * len(PDD_PROMPTS)
-    assert all(r["relay_tokens"] + r["main_tokens"] == 48 for r in recs)
+    for r, text in zip(recs, PDD_PROMPTS, strict=True):
+        assert r["relay_tokens"] + r["main_tokens"] == len(reference[text][1].token_ids)
     assert stats["relay_tokens"] > 0 and stats["main_tokens"] > 0
     assert 0 < stats["relay_share"] < 1
     # the main decode loaded each prompt's KV into its cache, pinned until the handoff
@@ -302,12 +315,7 @@ def test_refused_ticket_fails_only_that_request(
     box: dict[str, Completion] = {}
     th = threading.Thread(
         target=lambda: box.update(
-            d=_direct(
-                rld,
-                other,
-                8,
-                {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"},
-            )
+            d=_direct(rld, other, 8, {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"})
         )
     )
     th.start()
@@ -315,12 +323,7 @@ def test_refused_ticket_fails_only_that_request(
         p,
         ids,
         1,
-        {
-            "do_remote_decode": True,
-            "transfer_id": tid,
-            "destinations": ["rld"],
-            "await_tickets_s": 5,
-        },
+        {"do_remote_decode": True, "transfer_id": tid, "destinations": ["rld"], "await_tickets_s": 5},
     )
     th.join(60)
     assert pre.error is None
@@ -343,9 +346,7 @@ def test_timed_out_transfer_recomputes(cluster: VllmCluster, reference: dict[str
     ids, ref = reference[text]
     tid = "orphan-" + os.urandom(4).hex()
     t0 = time.monotonic()
-    got = _direct(
-        md, ids, MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"}
-    )
+    got = _direct(md, ids, MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"})
     took = time.monotonic() - t0
     assert got.error is None
     assert got.token_ids == ref.token_ids

@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
             "wan_rate_bps": rate,
             "wan_rtt_ms": rtt,
             "commands": cluster.commands(),
-        },  # fmt: skip
+        },
     )
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")

@@ -103,9 +103,10 @@ class ServerSpec:
     def environ(self, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kvcache_gib))
-        # the model runner in the engine-core process: vLLM's multiprocess
-        # executor busy-polls shared memory between steps (a core per engine,
-        # even while a request only waits for its KV)
+        # the model runner in the engine-core process (with --distributed-
+        # executor-backend uni): vLLM's multiprocess executor busy-polls shared
+        # memory between steps, which on a small machine starves the transfer
+        # threads of an engine whose requests wait for KV (docs/vllm.md)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env.update(self.env)

@@ -61,6 +61,7 @@ class _Send:
     params: PrefillParams
     planned: bool = False  # a SendPlan went out: the worker may be reading its blocks
     await_until: float = 0.0  # schedule the prefill at this time at the latest
+    waiting: bool = False
 
 
 @dataclass
@@ -141,9 +142,18 @@ class ConnectorScheduler:
             if s.planned or num_computed_tokens or not p.await_tickets_s:
                 return 0, False
             seen = self._tickets.get(p.transfer_id, set())
-            if not set(p.destinations) <= seen and self._clock() < s.await_until:
-                log.debug("request %s waits for tickets (%s of %s)", rid, seen, p.destinations)
+            now = self._clock()
+            if not set(p.destinations) <= seen and now < s.await_until:
+                if not s.waiting:
+                    s.waiting = True
+                    log.debug("transfer %s: the prefill waits for tickets", p.transfer_id)
                 return None, False  # not yet: every ticket in first, for layer-wise sends
+            log.debug(
+                "transfer %s: prefill scheduled with tickets from %s (%.3f s before the deadline)",
+                p.transfer_id,
+                sorted(seen),
+                s.await_until - now,
+            )
             return 0, False
         if isinstance(p, DecodeParams) and rid not in self._recvs:
             missing = request.num_prompt_tokens - num_computed_tokens

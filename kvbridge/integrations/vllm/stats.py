@@ -91,8 +91,8 @@ class KVBridgeStats(KVConnectorStats):  # type: ignore[misc]
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (
-            d.get("sends") or d.get("receives") or d.get("failures") or d.get("expired_leases")
+        return not any(
+            d.get(k) for k in ("sends", "receives", "layerwise_sends", "failures", "expired_leases")
         )
 
 

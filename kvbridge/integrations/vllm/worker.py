@@ -27,11 +27,13 @@ engine starts whether or not its peers are up yet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +62,34 @@ log = logging.getLogger("kvbridge.vllm")
 ORPHAN_TICKET_S = 120.0  # a ticket no prefill request claims is refused after this
 
 
+@contextlib.contextmanager
+def _wide_affinity() -> Iterator[None]:
+    """Run the block with the CPU set of the worker's parent process.
+
+    vLLM's CPU worker pins its threads to the cores it computes on (one core
+    on a 2-core VM), and it busy-polls between steps.  kvbridge's loop thread
+    started there would share that core with the poll and starve; started
+    inside this block it may run on every core the engine may use.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    try:
+        mine = os.sched_getaffinity(0)
+        wide = mine | os.sched_getaffinity(os.getppid())
+    except OSError:
+        yield
+        return
+    if wide == mine:
+        yield
+        return
+    os.sched_setaffinity(0, wide)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 @dataclass
 class TransferCounters:
     """What moved since the last :meth:`ConnectorWorker.take_counters` (the
@@ -78,7 +108,13 @@ class TransferCounters:
     expired_leases: int = 0
 
     def empty(self) -> bool:
-        return not (self.sends or self.receives or self.failures or self.expired_leases)
+        return not (
+            self.sends
+            or self.receives
+            or self.layerwise_sends
+            or self.failures
+            or self.expired_leases
+        )
 
 
 @dataclass
@@ -191,13 +227,15 @@ class ConnectorWorker:
             ucx=cfg.ucx and self.consumer,
             lease_timeout=cfg.lease_s,
         )
-        self.bridge.start()
+        with _wide_affinity():
+            # threads inherit the CPU set of the thread that starts them
+            self.bridge.start()
+            self._ctl_thread = threading.Thread(
+                target=self._control_loop, name=f"kvbridge-vllm-{cfg.identity}", daemon=True
+            )
+            self._ctl_thread.start()
         for ft in (TICKET, REFUSE, META_QUERY, META_REPLY):
             self.bridge.on_control(ft, self._on_control)
-        self._ctl_thread = threading.Thread(
-            target=self._control_loop, name=f"kvbridge-vllm-{cfg.identity}", daemon=True
-        )
-        self._ctl_thread.start()
         if self.producer:
             for p in cfg.peers:
                 self._ctl.put((p.name, -1, b""))  # connect in the background
@@ -509,9 +547,7 @@ class ConnectorWorker:
                 self._refuse(dest, t.request_id, RefuseCode.INVALID, str(e))
                 self._fail_dest(out, dest, f"send:{type(e).__name__}")
                 continue
-            log.debug(
-                "send %s to %s (%s, layer-wise %s)", t.request_id, dest, t.transport.name, layerwise
-            )
+            log.debug("send %s to %s (%s, layer-wise %s)", t.request_id, dest, t.transport.name, layerwise)
             out.started[dest] = t.request_id
             self._out_rids[t.request_id] = (out.req_id, dest)
             if layerwise:
@@ -577,6 +613,7 @@ class ConnectorWorker:
             self._recv_failed(rec, e)
             return
         self._in_rids[rid] = rp.req_id
+        log.debug("expect %s: tokens [%d, %d) from %s", rid, rp.start, rp.end, rp.prefill)
         try:
             self.bridge.send_control(rp.prefill, *encode_control(TicketMsg(ticket)))
         except KVBridgeError as e:
