@@ -33,7 +33,6 @@ from kvbridge.cli.vllm_cluster import (  # noqa: E402
     get_json,
     metric_sum,
     post_json,
-    reference_outputs,
 )
 from kvbridge.integrations.vllm.model import prepare_model  # noqa: E402
 
@@ -95,7 +94,9 @@ def model_dir() -> str:
 
 
 def _tokenize(url: str, text: str) -> list[int]:
-    return [int(t) for t in post_json(f"{url}/tokenize", {"model": "smollm2", "prompt": text})["tokens"]]
+    return [
+        int(t) for t in post_json(f"{url}/tokenize", {"model": "smollm2", "prompt": text})["tokens"]
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,7 @@ def test_p_md_greedy_equals_one_instance(cluster: VllmCluster, reference: dict[s
     the prefill and 64 on the decode: every stream equals vLLM alone."""
     md = cluster.engine_url("md")
     for text in PROMPTS:
-        ids, ref = reference[text]
+        _, ref = reference[text]
         got = _ask(cluster, text)
         assert got.error is None, got.error
         assert got.token_ids == ref.token_ids, text[:40]
@@ -315,7 +316,12 @@ def test_refused_ticket_fails_only_that_request(
     box: dict[str, Completion] = {}
     th = threading.Thread(
         target=lambda: box.update(
-            d=_direct(rld, other, 8, {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"})
+            d=_direct(
+                rld,
+                other,
+                8,
+                {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"},
+            )
         )
     )
     th.start()
@@ -323,7 +329,12 @@ def test_refused_ticket_fails_only_that_request(
         p,
         ids,
         1,
-        {"do_remote_decode": True, "transfer_id": tid, "destinations": ["rld"], "await_tickets_s": 5},
+        {
+            "do_remote_decode": True,
+            "transfer_id": tid,
+            "destinations": ["rld"],
+            "await_tickets_s": 5,
+        },
     )
     th.join(60)
     assert pre.error is None
@@ -346,7 +357,9 @@ def test_timed_out_transfer_recomputes(cluster: VllmCluster, reference: dict[str
     ids, ref = reference[text]
     tid = "orphan-" + os.urandom(4).hex()
     t0 = time.monotonic()
-    got = _direct(md, ids, MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"})
+    got = _direct(
+        md, ids, MAX_TOKENS, {"do_remote_prefill": True, "transfer_id": tid, "prefill": "prefill-0"}
+    )
     took = time.monotonic() - t0
     assert got.error is None
     assert got.token_ids == ref.token_ids
@@ -362,7 +375,7 @@ def test_prefill_killed_mid_transfer(cluster: VllmCluster, reference: dict[str, 
     assert cluster.wan is not None
     md = cluster.engine_url("md")
     md_pid = cluster.servers["md"].proc.pid  # type: ignore[union-attr]
-    ids, ref = reference[LONG]
+    _, ref = reference[LONG]
     cluster.wan.set_rate(2e7)  # 2.5 MB/s: the ~40 MB of KV take seconds
     box: dict[str, Completion] = {}
     th = threading.Thread(target=lambda: box.update(c=_ask(cluster, LONG)))

@@ -67,9 +67,7 @@ for dtype in (torch.float32, torch.bfloat16):
 
 
 def test_cpu_cache_matches_vllms_own_kernel() -> None:
-    res = subprocess.run(
-        [sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=240
-    )
+    res = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.endswith(("equal", "DIFFERENT"))]
     assert len(lines) == 2 * 3 * 5, res.stdout

@@ -19,7 +19,7 @@ from kvbridge.integrations.vllm.worker import ConnectorWorker
 from kvbridge.layout import KVLayout
 
 pytest.importorskip("kvbridge._core")
-from kvbridge.pack import PagedKVCache  # noqa: E402
+from kvbridge.pack import PagedKVCache
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -36,11 +36,11 @@ from ..sim.emulator import ProxyEmulator
 
 __all__ = [
     "ClusterSpec",
-    "ServerSpec",
-    "VllmServer",
     "Completion",
     "EmulatorThread",
+    "ServerSpec",
     "VllmCluster",
+    "VllmServer",
     "complete",
     "free_port",
     "metric_sum",

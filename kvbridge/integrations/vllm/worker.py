@@ -547,7 +547,9 @@ class ConnectorWorker:
                 self._refuse(dest, t.request_id, RefuseCode.INVALID, str(e))
                 self._fail_dest(out, dest, f"send:{type(e).__name__}")
                 continue
-            log.debug("send %s to %s (%s, layer-wise %s)", t.request_id, dest, t.transport.name, layerwise)
+            log.debug(
+                "send %s to %s (%s, layer-wise %s)", t.request_id, dest, t.transport.name, layerwise
+            )
             out.started[dest] = t.request_id
             self._out_rids[t.request_id] = (out.req_id, dest)
             if layerwise:
