@@ -8,8 +8,10 @@ STAMP := $(VENV)/.kvbridge-installed
 SOURCES := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 export KVBRIDGE_CUDA_ARCHS ?= 80;90
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
+BENCH_FILES := -o python_files='test_*.py bench_*.py'
 
-.PHONY: all venv build test test-fast bench bench-quick demo lint format asan cuda-check fuzz clean inplace \
+.PHONY: all venv build test test-fast chaos bench bench-quick demo lint format asan cuda-check fuzz clean inplace \
 	vllm-venv test-vllm demo-vllm
 
 all: build
@@ -27,14 +29,19 @@ $(STAMP): $(SOURCES) | $(PYTHON)
 venv build: $(STAMP)
 
 test: $(STAMP)
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests
-	$(PYTHON) -m pytest -q -p no:cacheprovider bench --benchmark-disable
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests -m "not chaos"
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(BENCH_FILES) bench --benchmark-disable
 
 test-fast: $(STAMP)
-	$(PYTHON) -m pytest -q -x -p no:cacheprovider tests -m "not slow"
+	$(PYTHON) -m pytest -q -x -p no:cacheprovider tests -m "not slow and not chaos"
+
+# Random faults through a fault-injecting proxy against the transport and the
+# bridges (tests/test_chaos.py; a few minutes).  KVB_CHAOS_SEED=<n> replays a run.
+chaos: $(STAMP)
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests -m chaos -rA
 
 bench: $(STAMP)
-	$(PYTHON) -m pytest -q -p no:cacheprovider bench --benchmark-only
+	$(PYTHON) -m pytest -q -p no:cacheprovider $(BENCH_FILES) bench --benchmark-only
 
 demo: $(STAMP)
 	$(BIN)/kvbridge-bench demo

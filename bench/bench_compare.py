@@ -26,7 +26,9 @@ def _small_args(libs: str) -> Any:
             "--libs",
             libs,
             "--scenarios",
-            "pages",
+            "bulk,pages",
+            "--bulk-mib",
+            "8",
             "--pages",
             "256",
             "--iters",
@@ -46,7 +48,11 @@ def test_compare_small(benchmark: Any) -> None:
 
     def once() -> list[dict[str, Any]]:
         return compare.compare(
-            ["kvbridge", "ucxx"],
+            [
+                x
+                for x in ("kvbridge", "ucxx", "perftest")
+                if x not in compare.missing_libraries([x])
+            ],
             compare.scenarios(args),
             ["tcp", "shm"],
             args.iters,
@@ -59,6 +65,7 @@ def test_compare_small(benchmark: Any) -> None:
     for r in rows:
         assert "error" not in r, r
         assert r["ok"], r
+    assert {r["row"] for r in rows} >= {"kvbridge", "kvbridge peer"}
 
 
 if __name__ == "__main__":

@@ -9,11 +9,24 @@
 #include <nanobind/stl/vector.h>
 
 #include "ucx/engine.h"
+#include "ucx/runs.h"
 
 namespace nb = nanobind;
+using kvb::ucx::CacheShape;
 using kvb::ucx::Engine;
 using kvb::ucx::PutRun;
+using kvb::ucx::RunPlan;
 using kvb::ucx::UcsError;
+
+using Table = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using ShapeArgs =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<uint64_t>>;
+
+static CacheShape cache_shape(const ShapeArgs& a) {
+  CacheShape s;
+  std::tie(s.num_pages, s.layer_bytes, s.s_comp, s.s_page, s.s_tok, s.s_head, s.region_ids) = a;
+  return s;
+}
 
 using Runs = nb::ndarray<const uint64_t, nb::shape<-1, 5>, nb::c_contig, nb::device::cpu>;
 
@@ -58,17 +71,61 @@ NB_MODULE(_ucx, m) {
   m.attr("STATUS") = status;
   m.attr("MAX_MESSAGE") = Engine::kMaxMessage;
 
+  nb::class_<RunPlan>(m, "RunPlan")
+      .def(
+          "__init__",
+          [](RunPlan* self, int64_t page_tokens, int64_t components, int64_t heads,
+             int64_t head_bytes, bool hnd, bool kv_first, bool stacked, int64_t num_layers,
+             const ShapeArgs& src, const ShapeArgs& dst) {
+            new (self) RunPlan(page_tokens, components, heads, head_bytes, hnd, kv_first, stacked,
+                               num_layers, cache_shape(src), cache_shape(dst));
+          },
+          nb::arg("page_tokens"), nb::arg("components"), nb::arg("heads"), nb::arg("head_bytes"),
+          nb::arg("hnd"), nb::arg("kv_first"), nb::arg("stacked"), nb::arg("num_layers"),
+          nb::arg("src"), nb::arg("dst"),
+          "src, dst: (num_pages, layer_bytes, s_comp, s_page, s_tok, s_head, region ids)")
+      .def(
+          "runs",
+          [](const RunPlan& plan, Table sbt, Table dbt, int64_t start, int64_t end, int64_t l0,
+             int64_t l1) {
+            std::vector<PutRun> runs;
+            plan.runs(sbt.data(), sbt.shape(0), dbt.data(), dbt.shape(0), start, end, l0, l1,
+                      &runs);
+            auto* data = new uint64_t[runs.size() * 5];
+            for (size_t i = 0; i < runs.size(); ++i) {
+              const PutRun& r = runs[i];
+              uint64_t* row = data + i * 5;
+              row[0] = r.local_region;
+              row[1] = r.local_off;
+              row[2] = r.remote_region;
+              row[3] = r.remote_off;
+              row[4] = r.length;
+            }
+            nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<uint64_t*>(p); });
+            return nb::ndarray<nb::numpy, uint64_t, nb::ndim<2>>(data, {runs.size(), 5}, owner);
+          },
+          nb::arg("src_block_table"), nb::arg("dst_block_table"), nb::arg("start"), nb::arg("end"),
+          nb::arg("l0"), nb::arg("l1"),
+          "The coalesced (local region, local offset, remote region, remote offset, length) rows");
+
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<const std::vector<std::pair<std::string, std::string>>&>(), nb::arg("config"))
       .def("address",
            [](const Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def("event_fd", &Engine::event_fd)
       .def("progress", &Engine::progress, nb::call_guard<nb::gil_scoped_release>())
-      .def("arm", &Engine::arm)
+      .def("arm", &Engine::arm, nb::call_guard<nb::gil_scoped_release>())
+      .def("start_thread", &Engine::start_thread, nb::arg("spin_us"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("stop_thread", &Engine::stop_thread, nb::call_guard<nb::gil_scoped_release>())
+      .def("set_polling", &Engine::set_polling, nb::arg("on"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("notify_fd", &Engine::notify_fd)
+      .def_prop_ro("threaded", &Engine::threaded)
       .def("register_region", &Engine::register_region, nb::arg("base"), nb::arg("length"))
       .def("rkey",
            [](const Engine& e, uint64_t id) {
-             const std::string& k = e.region(id).rkey;
+             std::string k = e.rkey(id);
              return nb::bytes(k.data(), k.size());
            })
       .def("deregister_region", &Engine::deregister_region)
@@ -84,31 +141,72 @@ NB_MODULE(_ucx, m) {
             return e.connect(std::string(address.c_str(), address.size()), rs, peer_errors);
           },
           nb::arg("address"), nb::arg("regions"), nb::arg("peer_errors") = true)
-      .def("disconnect", &Engine::disconnect)
+      .def("disconnect", &Engine::disconnect, nb::call_guard<nb::gil_scoped_release>())
       .def("endpoint_ok", &Engine::endpoint_ok)
       .def(
           "put",
-          [](Engine& e, uint64_t ep, Runs runs, nb::bytes notify) {
-            return e.put(ep, reinterpret_cast<const PutRun*>(runs.data()), runs.shape(0),
-                         std::string(notify.c_str(), notify.size()));
+          [](Engine& e, uint64_t ep, Runs runs, nb::bytes notify, unsigned spin_us) {
+            std::string note(notify.c_str(), notify.size());
+            const auto* data = reinterpret_cast<const PutRun*>(runs.data());
+            size_t count = runs.shape(0);
+            kvb::ucx::Posted p;
+            {
+              nb::gil_scoped_release release;
+              p = e.put(ep, data, count, note, spin_us);
+            }
+            return nb::make_tuple(p.op_id, p.status);
           },
-          nb::arg("ep"), nb::arg("runs"), nb::arg("notify"))
+          nb::arg("ep"), nb::arg("runs"), nb::arg("notify"), nb::arg("spin_us") = 0,
+          "Post the runs, a flush and the notification; progress up to spin_us for "
+          "them. Returns (op id, status): UCS_INPROGRESS (1) while in flight")
+      .def(
+          "put_range",
+          [](Engine& e, uint64_t ep, const RunPlan& plan, Table sbt, Table dbt, int64_t start,
+             int64_t end, int64_t l0, int64_t l1, nb::bytes notify, uint64_t min_mean_run,
+             unsigned spin_us) {
+            std::string note(notify.c_str(), notify.size());
+            thread_local std::vector<PutRun> runs;
+            kvb::ucx::Posted p{0, 2};
+            uint64_t nbytes = 0;
+            {
+              nb::gil_scoped_release release;
+              nbytes = plan.runs(sbt.data(), sbt.shape(0), dbt.data(), dbt.shape(0), start, end, l0,
+                                 l1, &runs);
+              bool tiny = !runs.empty() && nbytes / runs.size() < min_mean_run;
+              if (!tiny) p = e.put(ep, runs.data(), runs.size(), note, spin_us);
+            }
+            return nb::make_tuple(p.op_id, p.status, runs.size(), nbytes);
+          },
+          nb::arg("ep"), nb::arg("plan"), nb::arg("src_block_table"), nb::arg("dst_block_table"),
+          nb::arg("start"), nb::arg("end"), nb::arg("l0"), nb::arg("l1"), nb::arg("notify"),
+          nb::arg("min_mean_run"), nb::arg("spin_us"),
+          "Compute the runs of a range with `plan` and put them (see put). Returns (op id, "
+          "status, runs, bytes); status 2: the mean run is below min_mean_run, nothing posted")
       .def(
           "send",
-          [](Engine& e, uint64_t ep, nb::bytes msg) {
-            return e.send(ep, std::string(msg.c_str(), msg.size()));
+          [](Engine& e, uint64_t ep, nb::bytes msg, bool report) {
+            std::string m(msg.c_str(), msg.size());
+            kvb::ucx::Posted p;
+            {
+              nb::gil_scoped_release release;
+              p = e.send(ep, m, report);
+            }
+            return nb::make_tuple(p.op_id, p.status);
           },
-          nb::arg("ep"), nb::arg("message"))
+          nb::arg("ep"), nb::arg("message"), nb::arg("report") = true)
       .def("drain",
            [](Engine& e) {
+             kvb::ucx::Drained d;
+             {
+               nb::gil_scoped_release release;
+               d = e.drain();
+             }
              nb::list results, failures, messages;
-             for (const auto& r : e.take_results())
-               results.append(nb::make_tuple(r.op_id, r.status));
-             for (const auto& f : e.take_failures())
-               failures.append(nb::make_tuple(f.ep_id, f.status));
-             for (const auto& s : e.take_messages()) messages.append(nb::bytes(s.data(), s.size()));
+             for (const auto& r : d.results) results.append(nb::make_tuple(r.op_id, r.status));
+             for (const auto& f : d.failures) failures.append(nb::make_tuple(f.ep_id, f.status));
+             for (const auto& s : d.messages) messages.append(nb::bytes(s.data(), s.size()));
              return nb::make_tuple(results, failures, messages);
            })
-      .def("close", &Engine::close)
+      .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &Engine::closed);
 }

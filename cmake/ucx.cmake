@@ -36,10 +36,14 @@ message(STATUS "kvbridge: UCX path ${KVBRIDGE_HAS_UCX} ${KVBRIDGE_UCX_REASON}")
 if(KVBRIDGE_HAS_UCX)
   add_library(kvbridge_ucx STATIC
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/engine.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/progress.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/runs.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/transfer.cpp)
   target_include_directories(kvbridge_ucx
     PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc ${KVBRIDGE_UCP_INCLUDE_DIR})
-  target_link_libraries(kvbridge_ucx PUBLIC ${KVBRIDGE_UCP_LIBRARY} ${KVBRIDGE_UCS_LIBRARY})
+  find_package(Threads REQUIRED)
+  target_link_libraries(kvbridge_ucx
+    PUBLIC ${KVBRIDGE_UCP_LIBRARY} ${KVBRIDGE_UCS_LIBRARY} Threads::Threads)
 
   if(KVBRIDGE_BUILD_PYTHON)
     nanobind_add_module(_ucx NB_STATIC ${CMAKE_CURRENT_SOURCE_DIR}/bindings/ucx.cpp)

@@ -166,10 +166,14 @@ def make_certs(d: Path) -> dict[str, Path]:
 
     sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
        "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=kvbridge-test-ca")  # fmt: skip
-    for name in ("server", "client", "rogue"):
+    for name in ("server", "client", "rogue", "prefill-0", "prefill-1"):
         sh("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
            "-out", f"{name}.csr", "-subj", f"/CN={name}")  # fmt: skip
-        (d / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        san = "DNS:localhost,IP:127.0.0.1"
+        if name.startswith("prefill-"):  # identities bound to certificates (security.md)
+            n = name[-1]
+            san = f"DNS:pf{n}.example,URI:spiffe://kvbridge/prefill-{n}"
+        (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
         if name == "rogue":  # self-signed: not from our CA
             sh("openssl", "x509", "-req", "-in", f"{name}.csr", "-signkey", f"{name}.key",
                "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext")  # fmt: skip

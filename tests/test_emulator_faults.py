@@ -13,7 +13,17 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.sim.emulator import DropAtAccept, FaultProxy, FlipBits, ResetAfter, Stall
+from kvbridge.sim.emulator import (
+    Blackhole,
+    CorruptFrame,
+    DropAtAccept,
+    FaultProxy,
+    FlipBits,
+    HalfClose,
+    ResetAfter,
+    Stall,
+)
+from kvbridge.sim.emulator.faults import FRAME_FIELDS
 
 
 def run(coro: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:
@@ -225,3 +235,139 @@ def test_fault_arguments_are_checked() -> None:
         Stall(direction="up")
     assert ResetAfter(1, conns=3).applies(3) and not ResetAfter(1, conns=3).applies(2)
     assert Stall(conns=None).applies(99)
+
+
+# ---- frame faults, half-closes, blackholes, resets on demand ---------------------------------
+def _frames(n: int) -> list[bytes]:
+    from kvbridge.wire import encode_frame
+    from kvbridge.wire.chunk import checksum
+    from kvbridge.wire.frames import Control, Data
+
+    out = [encode_frame(Control(0x41, 0, b"not DATA"))]
+    for i in range(n):
+        body = os.urandom(1000 + i)
+        out.append(encode_frame(Data(7, i, i * 4096, len(body), 0, 0, checksum(body), body)))
+    return out
+
+
+@pytest.mark.parametrize("field", sorted(FRAME_FIELDS))
+def test_corrupt_frame_flips_one_bit_of_the_field_of_the_chosen_frame(field: str) -> None:
+    frames = _frames(5)
+    sink = Sink()
+
+    async def main() -> None:
+        fault = CorruptFrame(field, frames=[2], seed=3)
+        async with sink as target, FaultProxy(target, [fault]) as p:
+            assert await send_all(p.listen_addr, b"".join(frames)) == "eof"
+            assert p.stats.frames_corrupted == 1 and p.stats.bits_flipped == 1
+
+    run(main())
+    got = bytes(sink.conns[0].data)
+    sent = b"".join(frames)
+    diff = [i for i in range(len(sent)) if got[i] != sent[i]]
+    assert len(diff) == 1 and bin(got[diff[0]] ^ sent[diff[0]]).count("1") == 1
+    start = sum(len(f) for f in frames[:3])  # the CONTROL frame, DATA 0 and DATA 1 come first
+    a, b = FRAME_FIELDS[field]
+    if field == "body":
+        a, b = len(frames[3]) - (1002), len(frames[3])
+    assert start + a <= diff[0] < start + b
+
+
+def test_corrupt_frame_by_probability_is_reproducible() -> None:
+    frames = b"".join(_frames(200))
+    got: list[bytes] = []
+
+    async def main() -> None:
+        for _ in range(2):
+            sink = Sink()
+            async with (
+                sink as target,
+                FaultProxy(target, [CorruptFrame("seq", probability=0.1, seed=11)]) as p,
+            ):
+                assert await send_all(p.listen_addr, frames) == "eof"
+                assert 5 < p.stats.frames_corrupted < 45
+            got.append(bytes(sink.conns[0].data))
+
+    run(main())
+    assert got[0] == got[1] != frames
+
+
+def test_half_close_ends_one_direction_only() -> None:
+    reply = os.urandom(30_000)
+    sink = Sink(reply=reply)
+    payload = os.urandom(100_000)
+
+    async def main() -> None:
+        async with sink as target, FaultProxy(target, [HalfClose(after=40_000)]) as p:
+            r, w = await asyncio.open_connection(*p.listen_addr)
+            w.write(payload)
+            await w.drain()
+            got = await asyncio.wait_for(r.readexactly(len(reply)), 5)
+            assert got == reply  # the other direction flows on
+            await asyncio.wait_for(sink.conns[0].done.wait(), 5)
+            assert p.stats.half_closes == 1
+            w.close()
+            with contextlib.suppress(OSError):
+                await w.wait_closed()
+
+    run(main())
+    assert sink.conns[0].end == "eof" and bytes(sink.conns[0].data) == payload[:40_000]
+
+
+def test_blackhole_stops_both_directions_and_keeps_the_connection_open() -> None:
+    sink = Sink(reply=b"")
+    payload = os.urandom(100_000)
+
+    async def main() -> None:
+        async with sink as target, FaultProxy(target, [Blackhole(after=20_000)]) as p:
+            r, w = await asyncio.open_connection(*p.listen_addr)
+            w.write(payload)
+            await w.drain()
+            await asyncio.sleep(0.3)
+            assert len(sink.conns[0].data) == 20_000 and sink.conns[0].end == "open"
+            assert p.stats.blackholes == 1
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(r.read(1), 0.2)  # nothing comes back, no EOF either
+            w.close()
+            with contextlib.suppress(OSError):
+                await w.wait_closed()
+
+    run(main())
+
+
+def test_reset_now_hits_the_live_connection_it_names() -> None:
+    sink = Sink()
+
+    async def main() -> None:
+        async with sink as target, FaultProxy(target) as p:
+            conns = [await asyncio.open_connection(*p.listen_addr) for _ in range(2)]
+            for _, w in conns:
+                w.write(b"x")
+                await w.drain()
+            for _ in range(100):
+                if len(p.live_connections) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert p.reset(1) == 1 and p.live_connections == [0]
+            with pytest.raises(ConnectionResetError):
+                await asyncio.wait_for(conns[1][0].read(1), 5)
+            assert p.reset() == 1 and p.stats.resets == 2
+            for _, w in conns:
+                w.close()
+                with contextlib.suppress(OSError):
+                    await w.wait_closed()
+
+    run(main())
+
+
+def test_new_fault_arguments_are_checked() -> None:
+    with pytest.raises(InvalidArgument):
+        CorruptFrame("flags", frames=[0])
+    with pytest.raises(InvalidArgument):
+        CorruptFrame("seq")
+    with pytest.raises(InvalidArgument):
+        CorruptFrame("seq", frames=[0], probability=0.5)
+    with pytest.raises(InvalidArgument):
+        HalfClose(after=-1)
+    with pytest.raises(InvalidArgument):
+        Blackhole(direction="sideways")

@@ -77,7 +77,7 @@ def test_spec_sender_into_kvbridge_receiver(tmp_path: Path, kind: str, extra: li
             assert proc.returncode == 0
             assert bytes(sink.data) == data
             if "--corrupt-chunk" in extra:
-                assert h.stats["bad_chunks"] == 1
+                assert h.stats.bad_chunks == 1
         finally:
             await rx.close()
 

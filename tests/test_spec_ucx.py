@@ -28,8 +28,12 @@ ERRATA = {
     8: "RemoteProtocolError",  # an MLA layout has head order NHD (layouts.md)
     47: "RemoteProtocolError",  # an invalid layout is found before the hashes are compared
 }
+# Control messages of version 2 (ABORT codes are ErrorCode values) are valid since.
+VALID_SINCE = {68}  # a version 2 DONE
 for _i, _err in ERRATA.items():
     CASES[_i] = dict(CASES[_i], valid=False, expected_error=_err)
+for _i in VALID_SINCE:
+    CASES[_i] = dict(CASES[_i], valid=True, expected_error=None)
 FLAGS_SET = 10  # flags and the reserved byte are ignored: re-encoding writes 0 there
 
 

@@ -17,17 +17,28 @@ from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver
 from kvbridge.transport.tcp.conn import FrameConnection
 from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
 from kvbridge.transport.tcp.receiver import ExpectHandle
-from kvbridge.transport.tcp.sender import TcpSender, _TxTransfer
+from kvbridge.transport.tcp.sender import TcpSender
 from kvbridge.wire import ClientHandshake, FrameDecoder, encode_frame
 from kvbridge.wire.chunk import checksum
-from kvbridge.wire.frames import Ack, Data, Error, ErrorCode, Nack, Open, Ping, Ready
+from kvbridge.wire.frames import (
+    CODEC_CAPABILITIES,
+    Ack,
+    Data,
+    Error,
+    ErrorCode,
+    Nack,
+    Open,
+    Ping,
+    Ready,
+)
+from kvbridge.wire.txtransfer import TxTransfer
 
 KiB, MiB = 1024, 1 << 20
 
 
 class AckAudit:
-    """Asserts, at the moment a DATA frame is written, that its chunk was not
-    acknowledged before (no acknowledged byte is ever sent again)."""
+    """Asserts, at the moment a DATA frame is written, that none of its bytes
+    was acknowledged before (no acknowledged byte is ever sent again)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sent = 0
@@ -37,21 +48,24 @@ class AckAudit:
         def send(conn: FrameConnection, msg: object) -> None:
             if isinstance(msg, Data):
                 audit.sent += 1
+                end = msg.offset + msg.raw_length
                 for t in audit.transfers:
                     for link, tid in t.opened.items():
                         if link.conn is conn and tid == msg.transfer_id:
-                            assert msg.seq not in t.acked, f"acked chunk {msg.seq} sent again"
+                            assert not t.acked.overlaps(msg.offset, end), (
+                                f"acked bytes [{msg.offset}, {end}) sent again"
+                            )
             orig_send(conn, msg)  # type: ignore[arg-type]
 
-        self.transfers: list[_TxTransfer] = []
-        orig_init = _TxTransfer.__init__
+        self.transfers: list[TxTransfer[object]] = []
+        orig_init = TxTransfer.__init__
 
-        def init(t: _TxTransfer, *a: object, **k: object) -> None:
+        def init(t: TxTransfer[object], *a: object, **k: object) -> None:
             orig_init(t, *a, **k)  # type: ignore[arg-type]
             audit.transfers.append(t)
 
         monkeypatch.setattr(FrameConnection, "send", send)
-        monkeypatch.setattr(_TxTransfer, "__init__", init)
+        monkeypatch.setattr(TxTransfer, "__init__", init)
 
 
 def resume_case(
@@ -79,11 +93,11 @@ def resume_case(
         await h.wait(30)
         assert bytes(sink.data) == data
         count = -(-size // chunk)
-        assert h.stats["chunks"] == count  # every chunk verified and held exactly once
+        assert h.stats.chunks == count  # every chunk verified and held exactly once
         if isinstance(sink, OnceSink):
             assert len(sink.spans) == count  # every chunk written exactly once
         else:
-            assert sink.writes >= count and len(sink.views) >= h.stats["placed"]
+            assert sink.writes >= count and len(sink.views) >= h.stats.placed
         await tx.close()
         await proxy.close()
         await rx.close()
@@ -139,10 +153,10 @@ def test_damaged_chunks_are_resent_never_delivered(placed: bool) -> None:
         stats = await tx.send("r", BytesSource(data), token=h.token).wait(20)
         await h.wait(20)
         assert bytes(sink.data) == data
-        assert h.stats["bad_chunks"] == 4 and stats.retries == 4
-        assert h.stats["chunks"] == 16
+        assert h.stats.bad_chunks == 4 and stats.retries == 4
+        assert h.stats.chunks == 16
         if placed:  # read straight into the sink; the 4 damaged ones twice
-            assert h.stats["placed"] == 16 and len(sink.views) == 20
+            assert h.stats.placed == 16 and len(sink.views) == 20
         else:
             assert len(sink.spans) == 16
         await tx.close()
@@ -198,7 +212,7 @@ async def raw_client(
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     r, w = await asyncio.open_connection("127.0.0.1", port)
     if handshake:
-        hs = ClientHandshake("raw", 0)
+        hs = ClientHandshake("raw", 0, capabilities=CODEC_CAPABILITIES)  # frames as in 5.3
         dec = FrameDecoder()
         w.write(encode_frame(hs.hello()))
         ack = dec.feed(await r.read(4096))[0]
@@ -382,7 +396,7 @@ def test_damaged_chunk_read_into_a_lent_sink_is_not_acknowledged() -> None:
         while not any(isinstance(m, Nack) for m in seen):
             seen += dec.feed(await asyncio.wait_for(r.read(65536), 5))
         assert not any(isinstance(m, Ack) for m in seen)
-        assert h.received_bytes == 0 and h.stats["bad_chunks"] == 1 and not h.done()
+        assert h.received_bytes == 0 and h.stats.bad_chunks == 1 and not h.done()
         w.write(encode_frame(Data(1, 0, 0, size, 0, 0, checksum(payload), payload)))
         await h.wait(5)
         assert bytes(sink.data) == payload and len(sink.views) == 2

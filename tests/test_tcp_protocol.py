@@ -16,6 +16,8 @@ from kvbridge.transport.tcp.kvio import BytesSink
 from kvbridge.wire import ClientHandshake, encode_frame
 from kvbridge.wire.chunk import checksum
 from kvbridge.wire.frames import (
+    ALL_CAPABILITIES,
+    CODEC_CAPABILITIES,
     Abort,
     Ack,
     ChunkCodec,
@@ -37,10 +39,15 @@ async def settle() -> None:
         await asyncio.sleep(0.005)
 
 
-async def handshaken(rx: TcpReceiver, psk: bytes | None = None) -> MockTransport:
+async def handshaken(
+    rx: TcpReceiver, psk: bytes | None = None, *, ranged: bool = False
+) -> MockTransport:
+    """A mock sender connection; ``ranged`` announces RANGES (DATA frames then
+    carry the header check: ``data_frame(..., checked=True)``)."""
     conn = FrameConnection(on_made=rx._on_made)
     t = MockTransport(conn)
-    hs = ClientHandshake("mock-sender", rx.compat_hash, psk=psk)
+    caps = ALL_CAPABILITIES if ranged else CODEC_CAPABILITIES
+    hs = ClientHandshake("mock-sender", rx.compat_hash, psk=psk, capabilities=caps)
     t.feed(encode_frame(hs.hello()))
     await settle()
     (ack,) = t.read_messages()
@@ -51,9 +58,11 @@ async def handshaken(rx: TcpReceiver, psk: bytes | None = None) -> MockTransport
     return t
 
 
-def data_frame(tid: int, seq: int, off: int, body: bytes, ck: int | None = None) -> bytes:
+def data_frame(
+    tid: int, seq: int, off: int, body: bytes, ck: int | None = None, *, checked: bool = False
+) -> bytes:
     c = checksum(body) if ck is None else ck
-    return encode_frame(Data(tid, seq, off, len(body), 0, 0, c, body))
+    return encode_frame(Data(tid, seq, off, len(body), 0, 0, c, body, head_check=checked))
 
 
 def test_open_data_duplicate_nack_complete() -> None:
@@ -82,7 +91,7 @@ def test_open_data_duplicate_nack_complete() -> None:
         msgs = t.read_messages()
         assert msgs[-1] == Complete(6, 25)
         assert await h == 25 and bytes(sink.data) == payload and sink.writes == 3
-        assert h.stats["duplicates"] == 1 and h.stats["bad_chunks"] == 1
+        assert h.stats.duplicates == 1 and h.stats.bad_chunks == 1
         t.close()
         await rx.close()
 

@@ -300,7 +300,7 @@ def test_a_completed_transfer_sent_again_completes_without_bytes() -> None:
         await tx.send("r", BytesSource(data), token=h.token).wait(10)
         again = await tx.send("r", BytesSource(data), token=h.token).wait(10)
         assert again.chunks_sent == 0
-        assert h.stats["duplicates"] == 0
+        assert h.stats.duplicates == 0
         await tx.close()
         await rx.close()
 
@@ -429,7 +429,7 @@ def test_chunk_size_fitted_to_the_link(
         await h.wait(20)
         assert bytes(sink.data) == data
         assert stats.chunk_size == expect
-        assert h.stats["chunks"] == stats.chunks_sent == -(-len(data) // expect)
+        assert h.stats.chunks == stats.chunks_sent == -(-len(data) // expect)
         await tx.close()
         await rx.close()
 

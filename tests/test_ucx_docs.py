@@ -7,7 +7,13 @@ import re
 from pathlib import Path
 
 from kvbridge.layout import KVLayout
-from kvbridge.transport.ucx.messages import Kind, Message, decode_message, encode_message
+from kvbridge.transport.ucx.messages import (
+    Kind,
+    Message,
+    abort_code_v2,
+    decode_message,
+    encode_message,
+)
 from kvbridge.transport.ucx.metadata import (
     AgentMetadata,
     RegionInfo,
@@ -42,9 +48,13 @@ def test_metadata_vector() -> None:
 
 def test_control_message_vectors() -> None:
     done = Message(Kind.DONE, bytes(range(16)), "r1", start=0, end=32, l0=0, l1=2, nbytes=4096)
-    abort = Message(Kind.ABORT, b"A" * 16, "r1", code=2, text="timeout")
-    assert _block("ucx-messages") == [encode_message(done), encode_message(abort)]
-    assert [decode_message(v) for v in _block("ucx-messages")] == [done, abort]
+    abort = Message(Kind.ABORT, b"A" * 16, "r1", code=10, text="timeout")
+    # the same ABORT as a version 1 peer wrote it: code 2 was its timeout
+    abort_v1 = Message(Kind.ABORT, b"A" * 16, "r1", code=2, text="timeout", version=1)
+    msgs = [done, abort, abort_v1]
+    assert _block("ucx-messages") == [encode_message(m) for m in msgs]
+    assert [decode_message(v) for v in _block("ucx-messages")] == msgs
+    assert abort_code_v2(abort) == abort_code_v2(abort_v1) == 10  # ErrorCode.TIMEOUT
 
 
 def test_exact_hash_recipe() -> None:

@@ -66,7 +66,9 @@ def expected() -> dict[str, object]:
         "PONG": Pong(0x0102030405060708),
         "OPEN": Open(1, bytes(range(0xA0, 0xB0)), CH, 16, 8, 0, 4, 0, 2, 7, 3, "req-1"),
         "RESUME": Resume(1, ((0, 8),)),
-        "DATA": Data(1, 1, 8, 8, 0, 0, checksum(body), body),
+        # both ends announce RANGES (the HELLO above): DATA carries the header check
+        "DATA": Data(1, 1, 8, 8, 0, 0, checksum(body), body, head_check=True),
+        "DATA_PLAIN": Data(1, 1, 8, 8, 0, 0, checksum(body), body),
         "ACK": Ack(1, ((8, 8),)),
         "NACK": Nack(1, 0, 8, ErrorCode.CHECKSUM),
         "ABORT": Abort(1, ErrorCode.CANCELLED, "bye"),
@@ -80,7 +82,9 @@ def test_vector_encodes_and_decodes(name: str) -> None:
     msg = expected()[name]
     frame = vectors()[name]
     assert encode_frame(msg) == frame  # type: ignore[arg-type]
-    (got,) = FrameDecoder().feed(frame)
+    dec = FrameDecoder()
+    dec.data_check = name == "DATA"
+    (got,) = dec.feed(frame)
     if isinstance(msg, Data):
         assert isinstance(got, Data) and bytes(got.data) == bytes(msg.data)
     else:

@@ -94,13 +94,43 @@ def test_identity_checks() -> None:
 
 
 def test_admit_limit() -> None:
+    """Admission runs once the peer authenticated (after AUTH), never for a
+    peer that has not: nothing is kept for an unauthenticated handshake."""
+    seen: list[str] = []
+
     def admit(identity: str) -> None:
+        seen.append(identity)
         raise ResourceLimit("full")
 
+    c = ClientHandshake("p", 0)
     s = ServerHandshake("d", 0, admit=admit)
+    auth = c.on_hello_ack(s.on_hello(c.hello()))
+    assert seen == []
     with pytest.raises(ResourceLimit):
-        s.on_hello(ClientHandshake("p", 0).hello())
+        s.on_auth(auth)
+    assert seen == ["p"]
     assert s.error is not None and s.error.code == ErrorCode.RESOURCE_LIMIT
+
+
+def test_admit_is_not_reached_by_a_wrong_proof() -> None:
+    seen: list[str] = []
+    c = ClientHandshake("p", 0, psk=b"wrong-key")
+    s = ServerHandshake("d", 0, psk=b"right-key", admit=seen.append)
+    with pytest.raises(AuthenticationError):
+        ack = s.on_hello(c.hello())
+        s.on_auth(Auth(bytes(32)))
+    assert seen == [] and ack.auth == 1
+
+
+def test_claimed_identity_must_be_a_certificate_name() -> None:
+    s = ServerHandshake("d", 0, cert_names=frozenset({"prefill-0", "pf0.example"}))
+    with pytest.raises(AuthenticationError, match="not a name of the client certificate"):
+        s.on_hello(ClientHandshake("prefill-1", 0).hello())
+    assert s.error is not None and s.error.code == ErrorCode.IDENTITY_REJECTED
+    ok = ServerHandshake("d", 0, cert_names=frozenset({"prefill-0", "pf0.example"}))
+    c = ClientHandshake("pf0.example", 0)
+    ok.on_auth(c.on_hello_ack(ok.on_hello(c.hello())))
+    assert ok.peer is not None and ok.peer.identity == "pf0.example"
 
 
 def test_ready_before_ack_is_protocol_error() -> None:

@@ -60,7 +60,9 @@ async def _serve(
             st = await aw
             return ("ok", st.path, st.bytes, st.runs, *extra)
         except Exception as e:
-            return ("error", type(e).__name__, str(e), time.time())
+            # the kvbridge class a caller catches (PeerGone for a UcxPeerError)
+            kinds = [c.__name__ for c in type(e).__mro__]
+            return ("error", type(e).__name__, str(e), time.time(), kinds)
 
     while True:
         cmd = await loop.run_in_executor(None, conn.recv)
@@ -70,6 +72,15 @@ async def _serve(
         if op == "connect":
             peers.append(await agent.connect(cmd[1]))
             conn.send(("ok", peers[-1].same_layout))
+        elif op == "expect_blocked":
+            # expect, then block the loop (an application busy in C code):
+            # the engine's progress thread must still answer the sender
+            _, rid, bt, start, end, seconds = cmd
+            h = agent.expect(rid, bt, start, end, timeout=30.0)
+            conn.send(("blocking",))
+            time.sleep(seconds)
+            res = await outcome(h, ())
+            conn.send(res)
         elif op == "expect":
             _, rid, bt, start, end, layers, timeout = cmd
             h = agent.expect(rid, bt, start, end, timeout=timeout)
@@ -77,6 +88,11 @@ async def _serve(
             if res[0] == "ok":
                 res = (*res, digest(layout, cache, bt, start, end, layers))
             conn.send(res)
+        elif op == "timed_send":
+            _, rid, bt, rbt, start, end = cmd
+            t0 = time.monotonic()
+            res = await outcome(peers[0].send(rid, bt, rbt, start, end), ())
+            conn.send((*res[:2], time.monotonic() - t0))
         elif op == "send":
             # ("send", [(peer index, rid, bt, remote bt, start, end, [layer ranges])...])
             jobs = []

@@ -1,5 +1,9 @@
-// Context, worker, progress, regions and active-message receipt.
+// Context, worker, regions, active-message receipt, the result queues and
+// their notify fd.
 #include "engine.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <chrono>
 
@@ -41,7 +45,9 @@ Engine::Engine(const std::vector<std::pair<std::string, std::string>>& config) {
 
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+  // The engine's mutex serialises every call: the loop thread, a staging
+  // worker and the progress thread never use the worker at the same time.
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   st = ucp_worker_create(context_, &wp, &worker_);
   if (st != UCS_OK) {
     ucp_cleanup(context_);
@@ -49,6 +55,9 @@ Engine::Engine(const std::vector<std::pair<std::string, std::string>>& config) {
     throw UcsError(st, "ucp_worker_create");
   }
   auto fail = [this](ucs_status_t s, const char* what) {
+    if (notify_fd_ >= 0) ::close(notify_fd_);
+    if (wake_fd_ >= 0) ::close(wake_fd_);
+    notify_fd_ = wake_fd_ = -1;
     ucp_worker_destroy(worker_);
     ucp_cleanup(context_);
     worker_ = nullptr;
@@ -73,6 +82,9 @@ Engine::Engine(const std::vector<std::pair<std::string, std::string>>& config) {
   hp.arg = this;
   if ((st = ucp_worker_set_am_recv_handler(worker_, &hp)) != UCS_OK)
     fail(st, "ucp_worker_set_am_recv_handler");
+  notify_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (notify_fd_ < 0 || wake_fd_ < 0) fail(UCS_ERR_IO_ERROR, "eventfd");
 }
 
 Engine::~Engine() {
@@ -86,35 +98,8 @@ void Engine::check_open() const {
   if (worker_ == nullptr) throw UcsError(UCS_ERR_NO_RESOURCE, "the UCX engine is closed");
 }
 
-unsigned Engine::progress() {
-  if (worker_ == nullptr) return 0;
-  unsigned total = 0;
-  for (int i = 0; i < 4096; ++i) {
-    unsigned n = ucp_worker_progress(worker_);
-    total += n;
-    if (!deferred_notify_.empty()) {
-      std::vector<uint64_t> ids;
-      ids.swap(deferred_notify_);
-      for (uint64_t id : ids) {
-        auto it = ops_.find(id);
-        if (it != ops_.end()) post_notify(it->second);
-      }
-      continue;
-    }
-    if (n == 0) break;
-  }
-  return total;
-}
-
-bool Engine::arm() {
-  if (worker_ == nullptr) return true;
-  ucs_status_t st = ucp_worker_arm(worker_);
-  if (st == UCS_ERR_BUSY) return false;
-  if (st != UCS_OK) throw UcsError(st, "ucp_worker_arm");
-  return true;
-}
-
 uint64_t Engine::register_region(uintptr_t base, size_t length) {
+  std::lock_guard<std::mutex> lock(mu_);
   check_open();
   if (length == 0) throw UcsError(UCS_ERR_INVALID_PARAM, "cannot register an empty region");
   ucp_mem_map_params_t mp{};
@@ -140,13 +125,15 @@ uint64_t Engine::register_region(uintptr_t base, size_t length) {
   return id;
 }
 
-const Region& Engine::region(uint64_t id) const {
+std::string Engine::rkey(uint64_t id) const {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) throw UcsError(UCS_ERR_INVALID_PARAM, "unknown region");
-  return it->second;
+  return it->second.rkey;
 }
 
 void Engine::deregister_region(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = regions_.find(id);
   if (it == regions_.end()) return;
   if (context_ != nullptr) ucp_mem_unmap(context_, it->second.memh);
@@ -155,31 +142,46 @@ void Engine::deregister_region(uint64_t id) {
 
 void Engine::on_message(const void* data, size_t length) {
   messages_.emplace_back(static_cast<const char*>(data), length);
+  signal_python();
 }
 
-std::vector<OpResult> Engine::take_results() {
-  std::vector<OpResult> out;
-  out.swap(results_);
+void Engine::signal_python() {
+  // Only the progress thread's completions need a wake-up: in loop mode the
+  // caller drains after every progress call.
+  if (notified_ || !thread_on_ || py_polling_) return;
+  notified_ = true;
+  uint64_t one = 1;
+  ssize_t rc = ::write(notify_fd_, &one, sizeof(one));
+  (void)rc;  // EAGAIN: the counter is already non-zero, Python will wake
+}
+
+Drained Engine::drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Drained out;
+  out.results.swap(results_);
+  out.failures.swap(failures_);
+  out.messages.swap(messages_);
+  if (notified_) {
+    uint64_t n = 0;
+    ssize_t rc = ::read(notify_fd_, &n, sizeof(n));
+    (void)rc;
+    notified_ = false;
+  }
   return out;
 }
 
-std::vector<EpFailure> Engine::take_failures() {
-  std::vector<EpFailure> out;
-  out.swap(failures_);
-  return out;
-}
-
-std::vector<std::string> Engine::take_messages() {
-  std::vector<std::string> out;
-  out.swap(messages_);
-  return out;
+bool Engine::closed() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return worker_ == nullptr;
 }
 
 void Engine::close() {
+  stop_thread();
+  std::lock_guard<std::mutex> lock(mu_);
   if (worker_ == nullptr) return;
   std::vector<uint64_t> ids;
   for (const auto& kv : eps_) ids.push_back(kv.first);
-  for (uint64_t id : ids) disconnect(id);
+  for (uint64_t id : ids) disconnect_locked(id);
   // Requests still outstanding were completed (with errors) by the forced
   // closes; drain their callbacks before the worker goes.
   auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
@@ -193,6 +195,10 @@ void Engine::close() {
   context_ = nullptr;
   efd_ = -1;
   ops_.clear();
+  sync_done_.clear();
+  ::close(notify_fd_);
+  ::close(wake_fd_);
+  notify_fd_ = wake_fd_ = -1;
 }
 
 }  // namespace kvb::ucx

@@ -1,5 +1,7 @@
 // Endpoints, one-sided put batches ordered before their notification, and
 // small active messages.
+#include <sched.h>
+
 #include <chrono>
 
 #include "engine.h"
@@ -60,6 +62,7 @@ Endpoint& Engine::endpoint(uint64_t ep_id) {
 }
 
 bool Engine::endpoint_ok(uint64_t ep_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
   auto it = eps_.find(ep_id);
   return it != eps_.end() && !it->second->closing && it->second->error == UCS_OK;
 }
@@ -67,6 +70,7 @@ bool Engine::endpoint_ok(uint64_t ep_id) const {
 uint64_t Engine::connect(const std::string& worker_address,
                          const std::vector<std::tuple<uintptr_t, size_t, std::string>>& regions,
                          bool peer_errors) {
+  std::lock_guard<std::mutex> lock(mu_);
   check_open();
   auto ep = std::make_unique<Endpoint>();
   ep->engine = this;
@@ -101,10 +105,16 @@ uint64_t Engine::connect(const std::string& worker_address,
   }
   uint64_t id = ep->id;
   eps_.emplace(id, std::move(ep));
+  wake_thread();  // wire-up needs progress
   return id;
 }
 
 void Engine::disconnect(uint64_t ep_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  disconnect_locked(ep_id);
+}
+
+void Engine::disconnect_locked(uint64_t ep_id) {
   auto it = eps_.find(ep_id);
   if (it == eps_.end()) return;
   Endpoint& ep = *it->second;
@@ -132,6 +142,7 @@ void Engine::on_ep_error(Endpoint* ep, ucs_status_t status) {
   if (ep->error != UCS_OK || ep->closing) return;
   ep->error = status;
   failures_.push_back({ep->id, static_cast<int>(status)});
+  signal_python();
 }
 
 void Engine::on_request_done(uint64_t op_id, ucs_status_t status) {
@@ -151,8 +162,21 @@ void Engine::on_request_done(uint64_t op_id, ucs_status_t status) {
 void Engine::finish_if_done(Op& op) {
   if (op.pending != 0) return;
   if (op.status == UCS_OK && !op.notify.empty() && !op.notify_posted) return;
-  results_.push_back({op.id, static_cast<int>(op.status)});
+  if (op.waited) {
+    sync_done_[op.id] = static_cast<int>(op.status);
+  } else if (op.report) {
+    results_.push_back({op.id, static_cast<int>(op.status)});
+    signal_python();
+  }
   ops_.erase(op.id);
+}
+
+bool Engine::take_sync(uint64_t op_id, int* status) {
+  auto it = sync_done_.find(op_id);
+  if (it == sync_done_.end()) return false;
+  *status = it->second;
+  sync_done_.erase(it);
+  return true;
 }
 
 void Engine::post_notify(Op& op) {
@@ -175,7 +199,9 @@ void Engine::post_notify(Op& op) {
   finish_if_done(op);
 }
 
-uint64_t Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::string& notify) {
+Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::string& notify,
+                   unsigned spin_us) {
+  std::lock_guard<std::mutex> lock(mu_);
   check_open();
   Endpoint& ep = endpoint(ep_id);
   if (ep.error != UCS_OK) throw UcsError(ep.error, "endpoint failed");
@@ -200,6 +226,7 @@ uint64_t Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std
   op.id = id;
   op.ep_id = ep_id;
   op.notify = notify;
+  op.waited = true;
   for (size_t i = 0; i < count && op.status == UCS_OK; ++i) {
     const PutRun& r = runs[i];
     if (r.length == 0) continue;
@@ -223,10 +250,34 @@ uint64_t Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std
   } else {
     finish_if_done(op);
   }
-  return id;
+  // The fast path: a small batch usually completes (flush answered, the
+  // notification sent) within a few round trips; progress here for that long
+  // instead of handing back to the event loop and waking up again.
+  int status = UCS_INPROGRESS;
+  if (take_sync(id, &status)) return {id, status};
+  if (spin_us > 0) {
+    pollers_.fetch_add(1);
+    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    bool done = false;
+    do {
+      if (progress_locked(16) == 0) sched_yield();  // the peer may need this core to answer
+      polled_ns_.store(Clock::now().time_since_epoch().count());
+      done = take_sync(id, &status);
+    } while (!done && Clock::now() < until);
+    pollers_.fetch_sub(1);
+    activity_ns_.store(Clock::now().time_since_epoch().count());
+    if (done) return {id, status};
+  }
+  // Still in flight: its result comes through drain().
+  auto it = ops_.find(id);
+  if (it != ops_.end()) it->second.waited = false;
+  if (take_sync(id, &status)) return {id, status};
+  wake_thread();
+  return {id, UCS_INPROGRESS};
 }
 
-uint64_t Engine::send(uint64_t ep_id, const std::string& message) {
+Posted Engine::send(uint64_t ep_id, const std::string& message, bool report) {
+  std::lock_guard<std::mutex> lock(mu_);
   check_open();
   Endpoint& ep = endpoint(ep_id);
   if (ep.error != UCS_OK) throw UcsError(ep.error, "endpoint failed");
@@ -237,8 +288,17 @@ uint64_t Engine::send(uint64_t ep_id, const std::string& message) {
   op.id = id;
   op.ep_id = ep_id;
   op.notify = message;
+  op.waited = true;
   post_notify(op);
-  return id;
+  int status = UCS_INPROGRESS;
+  if (take_sync(id, &status)) return {id, status};  // sent in place (eager)
+  auto it = ops_.find(id);
+  if (it != ops_.end()) {
+    it->second.waited = false;
+    it->second.report = report;
+  }
+  wake_thread();
+  return {id, UCS_INPROGRESS};
 }
 
 }  // namespace kvb::ucx

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..errors import InvalidArgument, Unavailable
 from ..pack import PagedKVCache
+from ..transport.tcp import ReceiverLimits, TcpReceiver
 from ..transport.tcp.kvio import KVSink
-from ..transport.tcp.receiver import ReceiverLimits, TcpReceiver
 from .handles import Delivery, DeliveryStats
 from .identity import describe, wrap_ucx_metadata
 from .metrics import BridgeMetrics, BridgeMetricsView
@@ -50,6 +50,7 @@ class DecodeBridge:
         psk: bytes | dict[str, bytes] | None = None,
         ssl: _ssl.SSLContext | None = None,
         allowed_identities: frozenset[str] | None = None,
+        tls_identity: str = "cn_or_san",
         limits: ReceiverLimits | None = None,
         ucx: bool = False,
         ucx_options: dict[str, Any] | None = None,
@@ -73,6 +74,7 @@ class DecodeBridge:
                 psk=psk,
                 ssl=ssl,
                 allowed_identities=allowed_identities,
+                tls_identity=tls_identity,
                 limits=limits or ReceiverLimits(),
                 keepalive_interval=keepalive_interval,
                 keepalive_timeout=keepalive_timeout,
@@ -174,7 +176,7 @@ class DecodeBridge:
             stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
 
             def finish_tcp(_n: Any, st: DeliveryStats) -> None:
-                st.wire_bytes = int(h.stats.get("wire_bytes", st.bytes))
+                st.wire_bytes = h.stats.wire_bytes  # the chunk bodies that arrived
 
             exp = Expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish_tcp)
         elif via == "ucx":

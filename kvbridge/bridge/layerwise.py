@@ -2,10 +2,17 @@
 
 The wire layout puts layers outermost, so the bytes of layers ``[l0, l)`` are
 a prefix of the transfer.  On TCP, :class:`LayerwiseSource` lets the
-transport read that prefix while prefill is still computing the later
-layers: a read waits (with a deadline) until every layer it touches has been
-marked ready.  On UCX each released layer range is one more part (one more
-put batch).  :class:`LayerwiseSend` is the send of both, per destination.
+transport send that prefix while prefill is still computing the later
+layers.  It tells the transport how many bytes are ready (``ready_bytes``)
+and calls back when more are (``on_ready``): the TCP sender sends only chunks
+whose layers are ready, so a chunk that waits for its layers waits on the
+event loop, holds no thread, and lets other transfers' chunks go first.
+``ready_timeout`` (the ``layer_timeout``) bounds how long the transfer may
+wait for the next layer.  A reader that does not look at ``ready_bytes``
+still gets correct bytes: its read waits, with the same deadline, until
+every layer it touches is ready.  On UCX each released layer range is one
+more part (one more put batch).  :class:`LayerwiseSend` is the send of
+both, per destination.
 """
 
 from __future__ import annotations
@@ -45,10 +52,28 @@ class LayerwiseSource(KVSource):
         self.layer_timeout = layer_timeout
         n_layers = self.layers[1] - self.layers[0]
         self._per_layer = self.nbytes // n_layers if n_layers else 0
+        self._callbacks: list[Callable[[], None]] = []
 
     @property
     def ready_until(self) -> int:
         return int(self._ready)
+
+    @property
+    def ready_bytes(self) -> int:
+        """The bytes ``[0, ready_bytes)`` belong to ready layers."""
+        if not self._per_layer:
+            return int(self.nbytes)
+        return int(self._ready - self.layers[0]) * self._per_layer
+
+    @property
+    def ready_timeout(self) -> float:
+        return self.layer_timeout
+
+    def on_ready(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (from the thread that marks layers ready) each
+        time ``ready_bytes`` grows."""
+        with self._cond:
+            self._callbacks.append(callback)
 
     def mark_ready(self, layer_end: int) -> None:
         """Layers below ``layer_end`` now hold their final KV."""
@@ -56,8 +81,12 @@ class LayerwiseSource(KVSource):
         if not l0 <= layer_end <= l1:
             raise InvalidArgument(f"layer {layer_end} outside [{l0}, {l1}]")
         with self._cond:
+            grew = layer_end > self._ready
             self._ready = max(self._ready, layer_end)
             self._cond.notify_all()
+            callbacks = list(self._callbacks) if grew else []
+        for cb in callbacks:
+            cb()
 
     def cancel(self) -> None:
         with self._cond:
@@ -167,17 +196,11 @@ class LayerwiseSend(SendGroup):
 
     def _tell_ucx_receiver(self, name: str, reason: str) -> None:
         """No part of this destination is in flight, yet its receiver waits
-        for layers that will not come: an empty part, cancelled at once,
-        carries the abort to it."""
-        t = self.tickets[name]
-        lo = self._ucx_sent[name]
+        for layers that will not come: an ABORT tells it."""
         try:
-            d = self.bridge._ucx_delivery(
-                name, self.request_id, self.block_table, t, (lo, lo), self.timeout
-            )
+            self.bridge._ucx_peers[name].abort(self.request_id, Cancelled(reason))
         except KVBridgeError:
             return  # the peer is gone or closed: its expect fails by itself
-        d.cancel(reason)
 
     def cancel(self, reason: str = "cancelled by the sender") -> None:
         self._end(Cancelled(reason))

@@ -1,47 +1,146 @@
-"""Move the same KV pages with kvbridge's UCX path, NIXL (UCX backend, DRAM
-descriptors), Mooncake's transfer engine (TCP) and a raw ucxx send of one
-contiguous buffer, in one run, under the same UCX transport settings.
+"""Move the same KV bytes with kvbridge's UCX path, NIXL (UCX backend, DRAM
+descriptors), Mooncake's transfer engine (TCP), a raw ucxx send of one
+contiguous buffer and ``ucx_perftest`` put bandwidth (the limit), in one run,
+under UCX_TLS=tcp and UCX_TLS=tcp,sm.
 
-Scenarios: ``pages`` (4096 pages of 64 KiB, 256 MiB) and ``llama`` (a
-Llama-3-8B request of --llama-tokens tokens in 16-token pages, bf16; 32768
-tokens = 4 GiB).  Each library runs as a receiver and a sender process; one
-warm-up, then the median of --iters transfers, timed at the sender from post
-until it knows the bytes landed.  Integrity is checked with a hash of the
-moved pages at both ends.  Libraries that are not installed are reported and
-skipped.  Numbers swing between runs on a shared machine: compare within one.
+Each library is set up as its own documentation recommends for the
+transport and the machine (a 2-core machine: NIXL without its progress
+thread, the same endpoint error mode and TCP segment sizes as kvbridge), and
+also with its default settings; every row prints its settings.  Scenarios:
+``bulk`` (256 MiB, one contiguous run), ``pages`` (4096 pages of 64 KiB into
+a shuffled destination) and ``llama`` (a Llama-3-8B request in 16-token
+pages).  Each row runs as a receiver and a sender process; rounds interleave
+the rows (--rounds), each run drops its first transfer (warm-up) and the
+medians over all runs are compared, as ratios against the tuned NIXL and
+``ucx_perftest`` of the same run.  Two load points: idle, and with one core
+kept busy by a spinning process (--loads), so that a result that flips is
+visible.  Integrity is checked with a hash of the moved bytes at both ends.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import multiprocessing as mp
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..errors import KVBridgeTimeout, PeerGone
 from ..layout import DType, KVLayout
 from .compare_peers import Scenario, receiver_main, sender_main
 
-LIBS = ("kvbridge", "nixl", "mooncake", "ucxx")
+LIBS = ("kvbridge", "nixl", "mooncake", "ucxx", "perftest")
 _MODULES = {
     "kvbridge": "kvbridge._ucx",
     "nixl": "nixl",
     "mooncake": "mooncake.engine",
     "ucxx": "ucxx",
+    "perftest": "libucx",
 }
 _INSTALL = {
     "kvbridge": "build kvbridge with UCX (pip install libucx-cu12 before building)",
     "nixl": "pip install torch==2.13.0 nixl",
     "mooncake": "pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1",
     "ucxx": "pip install ucxx-cu12",
+    "perftest": "pip install libucx-cu12 (ships ucx_perftest)",
 }
-# name -> UCX_TLS.  Each library keeps its own default UCX error handling,
-# except NIXL over shared memory, which needs ucx_error_handling_mode=none.
 SETTINGS = {"tcp": "tcp", "shm": "tcp,sm"}
+# kvbridge's own UCX settings (loader.DEFAULT_UCX_CONFIG): the tuned rows of
+# the other UCX libraries get the same segments.
+SEG_ENV = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+
+
+@dataclass
+class Row:
+    """One library set up one way."""
+
+    name: str
+    lib: str
+    env: dict[str, str]
+    opts: dict[str, Any]
+    setting: str
+    times: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    corrupt: int = 0
+
+
+def rows_for(libs: list[str]) -> list[Row]:
+    out: list[Row] = []
+    if "kvbridge" in libs:
+        out.append(
+            Row(
+                "kvbridge",
+                "kvbridge",
+                {},
+                {},
+                "defaults: error_mode=none, 256k TCP segments, progress=thread, busy_poll_us=1000",
+            )
+        )
+        out.append(Row("kvbridge peer", "kvbridge", {}, {"error_mode": "peer"}, "error_mode=peer"))
+    if "nixl" in libs:
+        out.append(
+            Row(
+                "NIXL tuned",
+                "nixl",
+                dict(SEG_ENV),
+                {"progress_thread": False, "params": {"ucx_error_handling_mode": "none"}},
+                "progress thread off, ucx_error_handling_mode=none, 256k TCP segments",
+            )
+        )
+        out.append(
+            Row(
+                "NIXL defaults",
+                "nixl",
+                {},
+                {"progress_thread": True, "params": {}},
+                "defaults: progress thread on, ucx_error_handling_mode=peer",
+            )
+        )
+    if "mooncake" in libs:
+        out.append(
+            Row(
+                "Mooncake TE",
+                "mooncake",
+                {},
+                {},
+                "TCP transport, defaults, batches of 1024 (its TCP limit)",
+            )
+        )
+    if "ucxx" in libs:
+        out.append(
+            Row(
+                "raw ucxx 256k seg",
+                "ucxx",
+                dict(SEG_ENV),
+                {},
+                "tag send, 256k TCP segments (ucxx's endpoint error handling stays on)",
+            )
+        )
+        out.append(
+            Row("raw ucxx defaults", "ucxx", {}, {}, "defaults: tag send, error handling on")
+        )
+    if "perftest" in libs:
+        out.append(
+            Row(
+                "ucx_perftest",
+                "perftest",
+                dict(SEG_ENV),
+                {},
+                "ucp_put_bw, message = the scenario's run, 256k TCP segments",
+            )
+        )
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,29 +150,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="tcp,shm",
         help="comma list of: tcp (UCX_TLS=tcp), shm (UCX_TLS=tcp,sm)",
     )
-    p.add_argument("--scenarios", default="pages,llama", help="comma list of: pages, llama")
+    p.add_argument("--scenarios", default="bulk,pages", help="comma list of: bulk, pages, llama")
+    p.add_argument("--bulk-mib", type=int, default=256, help="size of the 'bulk' scenario")
     p.add_argument("--pages", type=int, default=4096, help="pages of the 'pages' scenario")
     p.add_argument("--page-kib", type=int, default=64, help="page size of the 'pages' scenario")
     p.add_argument(
         "--llama-tokens",
         type=int,
-        default=32768,
+        default=16384,
         help="request length of the 'llama' scenario (scale down on small machines)",
     )
     p.add_argument(
         "--block-tables",
         choices=["shuffled", "contiguous"],
         default="shuffled",
-        help="destination pages: a random permutation (fragmented cache) or in order",
+        help="destination pages of 'pages' and 'llama': a random permutation or in order",
     )
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument(
-        "--kvb-error-mode",
-        choices=["none", "peer"],
-        default="none",
-        help="kvbridge's UCX endpoint error handling (its default: none, with heartbeats)",
-    )
-    p.add_argument("--timeout", type=float, default=600.0, help="per library and scenario")
+    p.add_argument("--iters", type=int, default=4, help="transfers per run (the first is warm-up)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved runs of every row")
+    p.add_argument("--loads", default="idle,busy", help="comma list of: idle, busy (one core)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per run")
 
 
 def missing_libraries(libs: list[str]) -> dict[str, str]:
@@ -83,27 +179,41 @@ def missing_libraries(libs: list[str]) -> dict[str, str]:
             found = importlib.util.find_spec(_MODULES[lib]) is not None
         except (ImportError, ValueError):
             found = False
+        if lib == "perftest" and found and perftest_binary() is None:
+            found = False
         if not found:
             out[lib] = _INSTALL[lib]
     return out
+
+
+def _page_layout(page_kib: int, name: str) -> KVLayout:
+    # one layer, one 'latent head' of page_kib KiB per 16-token page
+    return KVLayout(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=page_kib * 1024 // 32,
+        dtype=DType.FP16,
+        page_tokens=16,
+        mla=True,
+        stacked=True,
+        name=name,
+    )
 
 
 def scenarios(args: Any) -> list[Scenario]:
     rng = np.random.default_rng(0)
     out = []
     names = args.scenarios.split(",")
-    if "pages" in names:
-        # one layer, one 'latent head' of page_kib KiB per 16-token page
-        lay = KVLayout(
-            num_layers=1,
-            num_kv_heads=1,
-            head_dim=args.page_kib * 1024 // 32,
-            dtype=DType.FP16,
-            page_tokens=16,
-            mla=True,
-            stacked=True,
-            name="pages",
+    if "bulk" in names:
+        n = args.bulk_mib * 16  # 64 KiB pages, contiguous at both ends
+        lay = _page_layout(64, "bulk")
+        out.append(
+            Scenario(
+                f"bulk {args.bulk_mib} MiB", lay, n, np.arange(n), np.arange(n), 0, n * 16, True
+            )
         )
+    if "pages" in names:
+        lay = _page_layout(args.page_kib, "pages")
         n = args.pages
         dst = rng.permutation(n) if args.block_tables == "shuffled" else np.arange(n)
         out.append(
@@ -127,22 +237,21 @@ def scenarios(args: Any) -> list[Scenario]:
     return out
 
 
-def run_one(
-    lib: str, scen: Scenario, setting: str, iters: int, timeout: float, error_mode: str = "none"
-) -> dict[str, Any]:
-    env = {
-        "UCX_TLS": SETTINGS[setting],
-        "KVB_BENCH_SETTING": setting,
-        "KVB_BENCH_ERROR_MODE": error_mode,
-    }
+# ---- one run of one row ----------------------------------------------------------------
+def run_one(row: Row, scen: Scenario, setting: str, iters: int, timeout: float) -> dict[str, Any]:
+    """One receiver and one sender process; the sender's times (warm-up
+    dropped) and whether the bytes arrived intact."""
+    env = {"UCX_TLS": SETTINGS[setting], **row.env}
+    if row.lib == "perftest":
+        return run_perftest(scen, env, iters, timeout)
     ctx = mp.get_context("spawn")
     rconn, rchild = ctx.Pipe()
     sconn, schild = ctx.Pipe()
     recv = ctx.Process(
         target=receiver_main,
-        args=(rchild, env, lib, scen, iters),
+        args=(rchild, env, row.lib, scen, iters, row.opts),
         daemon=True,
-        name=f"{lib} receiver",
+        name=f"{row.name} receiver",
     )
     recv.start()
     send = None
@@ -152,9 +261,9 @@ def run_one(
             return {"error": msg[1]}
         send = ctx.Process(
             target=sender_main,
-            args=(schild, env, lib, scen, iters, msg[1]),
+            args=(schild, env, row.lib, scen, iters, msg[1], row.opts),
             daemon=True,
-            name=f"{lib} sender",
+            name=f"{row.name} sender",
         )
         send.start()
         res = _get(sconn, timeout, send)
@@ -164,10 +273,8 @@ def run_one(
         dig = _get(rconn, timeout, recv)
         if dig[0] != "digest":
             return {"error": dig[1]}
-        times = res[1][1:]  # drop the warm-up
-        med = statistics.median(times)
-        return {"seconds": med, "gbps": scen.nbytes / med / 1e9, "ok": dig[1] == res[2]}
-    except (TimeoutError, ChildProcessError) as e:
+        return {"times": res[1][1:], "ok": dig[1] == res[2]}
+    except (KVBridgeTimeout, PeerGone) as e:
         return {"error": str(e)}
     finally:
         for p in (send, recv):
@@ -180,14 +287,183 @@ def run_one(
             c.close()
 
 
+def perftest_binary() -> Path | None:
+    try:
+        import libucx
+    except ImportError:
+        return None
+    root = Path(libucx.__file__).parent
+    exe = root / "bin" / "ucx_perftest"
+    return exe if exe.exists() else None
+
+
+_FINAL = re.compile(r"^Final:\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)", re.M)
+
+
+def run_perftest(scen: Scenario, env: dict[str, str], iters: int, timeout: float) -> dict[str, Any]:
+    """``ucx_perftest -t ucp_put_bw`` with messages of the scenario's run size
+    (the whole buffer for bulk, one page otherwise) moving the same bytes."""
+    exe = perftest_binary()
+    if exe is None:
+        return {"error": "ucx_perftest not found"}
+    lib = str(exe.parent.parent / "lib")
+    full = {
+        **os.environ,
+        **env,
+        "LD_LIBRARY_PATH": lib + ":" + os.environ.get("LD_LIBRARY_PATH", ""),
+    }
+    _, length = scen.pieces(scen.src_bt)
+    size = int(length.max())
+    count = max(1, scen.nbytes // size)
+    port = 13000 + (os.getpid() % 2000)
+    n = max(count * iters, 8)
+    args = ["-t", "ucp_put_bw", "-s", str(size), "-n", str(n), "-w", str(max(1, n // 8))]
+    args += ["-p", str(port)]
+    server = subprocess.Popen(
+        [str(exe), *args], env=full, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        time.sleep(0.5)
+        out = subprocess.run(
+            [str(exe), "127.0.0.1", *args],
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        ).stdout
+    except subprocess.TimeoutExpired:
+        return {"error": "ucx_perftest timed out"}
+    finally:
+        server.kill()
+        server.wait()
+    m = _FINAL.search(out)
+    if not m:
+        return {"error": f"ucx_perftest printed no result: {out[-300:]!r}"}
+    mbps = float(m.group(6))  # overall bandwidth, MB/s (2**20 bytes)
+    seconds = scen.nbytes / (mbps * (1 << 20))
+    return {"times": [seconds], "ok": True}
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def spinning_core(on: bool) -> Iterator[None]:
+    """While active (``on``), one process keeps one core busy: the second
+    load point of the benchmarks."""
+    if not on:
+        yield
+        return
+    p = mp.get_context("spawn").Process(target=_spin, daemon=True, name="busy core")
+    p.start()
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        p.kill()
+        p.join()
+
+
 def _get(conn: Any, timeout: float, proc: Any) -> Any:
     deadline = time.monotonic() + timeout
     while not conn.poll(0.2):
         if not proc.is_alive() and not conn.poll(0.2):
-            raise ChildProcessError(f"{proc.name} exited with code {proc.exitcode}")
+            raise PeerGone(f"{proc.name} exited with code {proc.exitcode}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no answer within {timeout} s")
+            raise KVBridgeTimeout(f"no answer within {timeout} s")
     return conn.recv()
+
+
+# ---- the comparison ------------------------------------------------------------------------
+def compare(
+    libs: list[str],
+    scens: list[Scenario],
+    settings: list[str],
+    iters: int,
+    timeout: float,
+    rounds: int = 1,
+    loads: tuple[str, ...] = ("idle",),
+    verbose: bool = True,
+) -> list[dict[str, Any]]:
+    """Every row of every (load, scenario, setting), in interleaved rounds."""
+    out: list[dict[str, Any]] = []
+    for load in loads:
+        with spinning_core(load == "busy"):
+            for scen in scens:
+                for setting in settings:
+                    rows = rows_for(libs)
+                    for _ in range(rounds):
+                        for row in rows:
+                            r = run_one(row, scen, setting, iters, timeout)
+                            if "error" in r:
+                                row.errors.append(r["error"])
+                            else:
+                                row.times += r["times"]
+                                row.corrupt += 0 if r["ok"] else 1
+                            if verbose:
+                                print(
+                                    f"  {load} / {scen.name} / {setting} / {row.name}: "
+                                    f"{r.get('error') or _ms(r['times'])}",
+                                    flush=True,
+                                )
+                    out += _summarise(rows, scen, setting, load)
+    return out
+
+
+def _ms(times: list[float]) -> str:
+    return " ".join(f"{t * 1e3:.1f}" for t in times) + " ms"
+
+
+def _summarise(rows: list[Row], scen: Scenario, setting: str, load: str) -> list[dict[str, Any]]:
+    res = []
+    for row in rows:
+        r: dict[str, Any] = {
+            "row": row.name,
+            "lib": row.lib,
+            "setting": row.setting,
+            "scenario": scen.name,
+            "tls": SETTINGS[setting],
+            "load": load,
+            "nbytes": scen.nbytes,
+        }
+        if row.times:
+            med = statistics.median(row.times)
+            r.update(seconds=med, gbps=scen.nbytes / med / 1e9, ok=row.corrupt == 0)
+            r["samples"] = len(row.times)
+        else:
+            r["error"] = row.errors[0] if row.errors else "no samples"
+        res.append(r)
+    by = {r["row"]: r for r in res}
+    for r in res:
+        for base, key in (("NIXL tuned", "vs_nixl"), ("ucx_perftest", "vs_perftest")):
+            b = by.get(base)
+            r[key] = r["gbps"] / b["gbps"] if b and "gbps" in b and "gbps" in r else None
+    return res
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'load':<5} {'scenario':<20} {'UCX_TLS':<7} {'row':<18} {'GB/s':>6} {'ms':>8} "
+        f"{'vs NIXL tuned':>13} {'vs perftest':>11} check  setting"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        pre = f"{r['load']:<5} {r['scenario']:<20} {r['tls']:<7} {r['row']:<18}"
+        if "error" in r:
+            lines.append(f"{pre} error: {r['error'][:120]}")
+            continue
+        vn = f"{r['vs_nixl']:.2f}x" if r.get("vs_nixl") else "-"
+        vp = f"{r['vs_perftest']:.2f}x" if r.get("vs_perftest") else "-"
+        check = "ok" if r["ok"] else "CORRUPT"
+        if r["lib"] == "perftest":
+            check = "-"
+        lines.append(
+            f"{pre} {r['gbps']:6.2f} {r['seconds'] * 1e3:8.1f} {vn:>13} {vp:>11} {check:<6} "
+            f"{r['setting']}"
+        )
+    return "\n".join(lines)
 
 
 def run(args: Any) -> int:
@@ -200,56 +476,15 @@ def run(args: Any) -> int:
     for lib, how in missing.items():
         print(f"missing: {lib} (not installed: {how}); skipped")
     present = [x for x in libs if x not in missing]
+    print(f"# kvbridge-bench compare {' '.join(sys.argv[2:])}")
     results = compare(
         present,
         scenarios(args),
         args.settings.split(","),
         args.iters,
         args.timeout,
-        args.kvb_error_mode,
+        args.rounds,
+        tuple(x for x in args.loads.split(",") if x),
     )
     print(format_table(results))
     return 0 if all(r.get("ok", False) for r in results) else 1
-
-
-def compare(
-    libs: list[str],
-    scens: list[Scenario],
-    settings: list[str],
-    iters: int,
-    timeout: float,
-    error_mode: str = "none",
-    verbose: bool = True,
-) -> list[dict[str, Any]]:
-    rows = []
-    for scen in scens:
-        for setting in settings:
-            base = None
-            block = []
-            for lib in libs:
-                r = run_one(lib, scen, setting, iters, timeout, error_mode)
-                r.update(lib=lib, scenario=scen.name, setting=setting, nbytes=scen.nbytes)
-                if verbose:
-                    print(f"  {scen.name} / {setting} / {lib}: {r}", flush=True)
-                block.append(r)
-                if lib == "ucxx" and "gbps" in r:
-                    base = r["gbps"]
-            for r in block:
-                r["ratio"] = (r["gbps"] / base) if base and "gbps" in r else None
-            rows += block
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'scenario':<28} {'setting':<8} {'library':<9} {'GB/s':>7} {'ms/request':>11} {'vs raw ucxx':>11}  check"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"{r['scenario']:<28} {r['setting']:<8} {r['lib']:<9} error: {r['error']}")
-            continue
-        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
-        lines.append(
-            f"{r['scenario']:<28} {r['setting']:<8} {r['lib']:<9} {r['gbps']:7.2f} {r['seconds'] * 1e3:11.2f} "
-            f"{ratio:>11}  {'ok' if r['ok'] else 'CORRUPT'}"
-        )
-    return "\n".join(lines)

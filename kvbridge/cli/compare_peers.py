@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import InvalidArgument, KVBridgeError, Unavailable
 from ..layout import KVLayout
+from ..transport.tcp import run
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,7 @@ class Scenario:
     dst_bt: np.ndarray
     start: int
     end: int
+    bulk: bool = False  # one contiguous piece (the pieces merged)
 
     @property
     def region_bytes(self) -> int:
@@ -38,6 +41,10 @@ class Scenario:
         _, off, length = page_pieces(
             CacheGeometry(self.layout, self.num_pages), bt, self.start, self.end
         )
+        if self.bulk and length.size:
+            if not np.array_equal(off[1:], off[:-1] + length[:-1]):
+                raise InvalidArgument("a bulk scenario needs contiguous pages")
+            return off[:1], np.array([int(length.sum())], dtype=length.dtype)
         return off, length
 
     @property
@@ -63,21 +70,29 @@ def _digest(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def receiver_main(conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int) -> None:
+def receiver_main(
+    conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int, opts: dict[str, Any]
+) -> None:
     os.environ.update(env)
     try:
-        _RECEIVERS[lib](conn, scen, iters)
+        _RECEIVERS[lib](conn, scen, iters, opts)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def sender_main(
-    conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int, info: Any
+    conn: Any,
+    env: dict[str, str],
+    lib: str,
+    scen: Scenario,
+    iters: int,
+    info: Any,
+    opts: dict[str, Any],
 ) -> None:
     os.environ.update(env)
     try:
         buf = _buffer(scen, fill=True)
-        times = _SENDERS[lib](buf, scen, iters, info)
+        times = _SENDERS[lib](buf, scen, iters, info, opts)
         off, length = scen.pieces(scen.src_bt)
         conn.send(("times", times, _digest(buf, off, length)))
     except Exception as e:
@@ -98,22 +113,12 @@ def _kvb_cache(buf: np.ndarray, scen: Scenario) -> np.ndarray:
     return buf.view(dt).reshape(lay.cache_shape(scen.num_pages))
 
 
-def _kvb_error_mode() -> str:
-    return os.environ.get("KVB_BENCH_ERROR_MODE", "none")
-
-
-def _kvb_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+def _kvb_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
     from ..transport.ucx import UcxAgent
 
     async def main() -> None:
         buf = _buffer(scen, fill=False)
-        agent = UcxAgent(
-            scen.layout,
-            _kvb_cache(buf, scen),
-            staging_bytes=0,
-            error_mode=_kvb_error_mode(),
-            timeout=300,
-        )
+        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, timeout=300, **opts)
         handles = [
             agent.expect(f"it{i}", scen.dst_bt, scen.start, scen.end) for i in range(iters + 1)
         ]
@@ -124,20 +129,16 @@ def _kvb_receiver(conn: Any, scen: Scenario, iters: int) -> None:
         await loop.run_in_executor(None, _finish_receiver, conn, buf, scen)
         await agent.close()
 
-    asyncio.run(main())
+    run(main())
 
 
-def _kvb_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+def _kvb_sender(
+    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
+) -> list[float]:
     from ..transport.ucx import UcxAgent
 
     async def main() -> list[float]:
-        agent = UcxAgent(
-            scen.layout,
-            _kvb_cache(buf, scen),
-            staging_bytes=0,
-            error_mode=_kvb_error_mode(),
-            timeout=300,
-        )
+        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, timeout=300, **opts)
         peer = await agent.connect(info)
         times = []
         for i in range(iters + 1):
@@ -147,11 +148,11 @@ def _kvb_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[
         await agent.close()
         return times
 
-    return asyncio.run(main())
+    return run(main())
 
 
 # ---- raw ucxx: one contiguous buffer of the same size -------------------------------
-def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+def _ucxx_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
     import ucxx
 
     async def main() -> None:
@@ -181,10 +182,12 @@ def _ucxx_receiver(conn: Any, scen: Scenario, iters: int) -> None:
         else:
             conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
 
-    asyncio.run(main())
+    run(main())
 
 
-def _ucxx_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+def _ucxx_sender(
+    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
+) -> list[float]:
     import ucxx
 
     async def main() -> list[float]:
@@ -201,32 +204,40 @@ def _ucxx_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list
         await ep.recv(np.empty(1, dtype=np.uint8))
         return times
 
-    return asyncio.run(main())
+    return run(main())
 
 
 # ---- NIXL (UCX backend, DRAM descriptors) ----------------------------------------------
-def _nixl_agent(name: str) -> Any:
+def _nixl_agent(name: str, opts: dict[str, Any]) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    agent = nixl_agent(name, nixl_agent_config(backends=[]))
-    params = {}
-    if os.environ.get("KVB_BENCH_SETTING") == "shm":
-        params["ucx_error_handling_mode"] = "none"
-    agent.create_backend("UCX", params)
+    cfg = nixl_agent_config(enable_prog_thread=opts.get("progress_thread", True), backends=[])
+    agent = nixl_agent(name, cfg)
+    agent.create_backend("UCX", dict(opts.get("params", {})))
     return agent
 
 
-def _nixl_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+def _nixl_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
     buf = _buffer(scen, fill=False)
-    agent = _nixl_agent("kvb-target")
+    agent = _nixl_agent("kvb-target", opts)
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     conn.send(("ready", (agent.get_agent_metadata(), buf.ctypes.data)))
+    # Without a progress thread the target progresses while it waits for the
+    # notifications (get_new_notifs), as NIXL's examples do; the sender posts
+    # every transfer with one.
+    got, deadline = 0, time.monotonic() + 600
+    while got < iters + 1 and time.monotonic() < deadline:
+        got += sum(len(v) for v in agent.get_new_notifs().values())
+        if opts.get("progress_thread", True) and got < iters + 1:
+            time.sleep(0.001)
     _finish_receiver(conn, buf, scen)
 
 
-def _nixl_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+def _nixl_sender(
+    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
+) -> list[float]:
     md, dst_base = info
-    agent = _nixl_agent("kvb-initiator")
+    agent = _nixl_agent("kvb-initiator", opts)
     agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
     remote = agent.add_remote_agent(md)
     soff, length = scen.pieces(scen.src_bt)
@@ -243,7 +254,7 @@ def _nixl_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list
         while state == "PROC" and time.monotonic() < deadline:
             state = agent.check_xfer_state(handle)
         if state != "DONE":
-            raise RuntimeError(f"NIXL transfer state {state}")
+            raise KVBridgeError(f"NIXL transfer state {state}")
         times.append(time.perf_counter() - t)
     agent.release_xfer_handle(handle)
     return times
@@ -255,15 +266,15 @@ def _mooncake_engine() -> Any:
 
     te = TransferEngine()
     if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError("Mooncake TransferEngine.initialize failed")
+        raise Unavailable("Mooncake TransferEngine.initialize failed")
     return te
 
 
-def _mooncake_receiver(conn: Any, scen: Scenario, iters: int) -> None:
+def _mooncake_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
     buf = _buffer(scen, fill=False)
     te = _mooncake_engine()
     if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
-        raise RuntimeError("Mooncake register_memory failed")
+        raise Unavailable("Mooncake register_memory failed")
     conn.send(("ready", (f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data)))
     _finish_receiver(conn, buf, scen)
 
@@ -271,13 +282,15 @@ def _mooncake_receiver(conn: Any, scen: Scenario, iters: int) -> None:
 MOONCAKE_BATCH = 1024  # its TCP transport rejects larger batches by default
 
 
-def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> list[float]:
+def _mooncake_sender(
+    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
+) -> list[float]:
     target, dst_base = info
     soff, length = scen.pieces(scen.src_bt)
     doff, _ = scen.pieces(scen.dst_bt)
     te = _mooncake_engine()
     if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
-        raise RuntimeError("Mooncake register_memory failed")
+        raise Unavailable("Mooncake register_memory failed")
     src = (soff + buf.ctypes.data).tolist()
     dst = (doff + dst_base).tolist()
     lens = length.tolist()
@@ -287,7 +300,7 @@ def _mooncake_sender(buf: np.ndarray, scen: Scenario, iters: int, info: Any) -> 
         for i in range(0, len(lens), MOONCAKE_BATCH):
             j = i + MOONCAKE_BATCH
             if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
-                raise RuntimeError("Mooncake batch_transfer_sync_write failed")
+                raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
         times.append(time.perf_counter() - t)
     return times
 

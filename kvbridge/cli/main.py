@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "demo": "the full cross-datacenter PDD demo (what `make demo` runs)",
     "handoff": "100-token handoff: token IDs vs incremental KV over an emulated WAN",
     "compare": "kvbridge UCX vs NIXL vs Mooncake vs raw ucxx on the same KV pages",
+    "latency": "4 KiB / 64 KiB put-to-landed latency: kvbridge UCX and TCP vs NIXL and uvloop",
     "wan": "goodput through the packet-level WAN emulator vs the line rate and one TCP stream",
     "transfer": "TCP transfer goodput vs raw sockets; small-transfer latency behind a large one",
 }

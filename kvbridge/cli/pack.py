@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import KVBridgeError, LayoutError
 from ..layout import DType, KVLayout
 
 KIB = 1024
@@ -131,7 +132,7 @@ def measure(
     check = wire.copy()
     torch_pack()
     if not np.array_equal(wire, check):
-        raise RuntimeError(f"{case.name}: kvbridge pack and the torch code disagree")
+        raise KVBridgeError(f"{case.name}: kvbridge pack and the torch code disagree")
     t = _median_interleaved(fns, reps, warmup, tick)
     gbs = {k: wire.nbytes / v / 1e9 for k, v in t.items()}
     target = TARGET_LARGE if case.page_bytes >= 16 * KIB else TARGET_SMALL
@@ -166,7 +167,7 @@ def _component_first(lay: KVLayout, cache: Any) -> list[Any]:
         return [v.unsqueeze(0) for v in views]
     if lay.order.value != "kv_first" or lay.head_order.value != "NHD":
         # Page copies of other orders would not produce the wire layout.
-        raise ValueError("the torch baseline here is written for kv_first NHD caches")
+        raise LayoutError("the torch baseline here is written for kv_first NHD caches")
     return views
 
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import InvalidArgument, KVBridgeError
 from ..transport.tcp.conn import FrameConnection
 from ..transport.tcp.kvio import BytesSource
 from ..transport.tcp.receiver import TcpReceiver
@@ -199,7 +200,7 @@ async def measure_goodput(
     elif data_kind == "random":
         data = memoryview(os.urandom(nbytes))
     else:
-        raise ValueError(f"data_kind must be 'random' or 'kv', not {data_kind!r}")
+        raise InvalidArgument(f"data_kind must be 'random' or 'kv', not {data_kind!r}")
     tx = TcpSender(
         host, port, streams=streams, chunk_size=chunk_size, compression=compression, **tx_kwargs
     )
@@ -308,7 +309,7 @@ def spawn_server(extra: list[str] | None = None) -> tuple[subprocess.Popen[str],
     line = proc.stdout.readline()
     if not line:
         proc.wait(10)
-        raise RuntimeError("bench server did not start")
+        raise KVBridgeError("bench server did not start")
     return proc, json.loads(line)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import Unavailable
 from ..handoff.messages import Source, StreamTokens, decode
 from ..handoff.params import SamplingParams
 from ..handoff.stream import StreamMerge
@@ -266,7 +267,7 @@ def _wan_mode(cfg: DemoConfig) -> tuple[str, str]:
 
     ok, reason = WanEmulator.available()
     if cfg.wan_mode == "netns" and not ok:
-        raise RuntimeError(f"packet-level WAN emulator unavailable: {reason}")
+        raise Unavailable(f"packet-level WAN emulator unavailable: {reason}")
     if cfg.wan_mode == "proxy" or (cfg.wan_mode == "auto" and not ok):
         note = "proxy mode (TCP-terminating; less faithful)"
         if not ok:

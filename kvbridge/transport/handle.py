@@ -1,20 +1,89 @@
 """The shape every transfer handle shares: awaitable, ``progress``, ``done``,
-``cancel``, ``wait(timeout)``; resolved once by its transport."""
+``cancel``, ``wait(timeout)``; resolved once by its transport.  And the typed
+statistics both transports report: :class:`TransferStats` and its two
+directions, :class:`SendStats` and :class:`ReceiveStats`."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import math
 import time
 from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from .._waits import wait_within
-from ..errors import TransferTimeout
+from ..errors import InvalidArgument, TransferTimeout
 
-__all__ = ["TransferHandleBase"]
+__all__ = [
+    "DEFAULT_TRANSFER_TIMEOUT",
+    "ReceiveStats",
+    "SendStats",
+    "TransferHandleBase",
+    "TransferStats",
+    "transfer_timeout",
+]
 
 R = TypeVar("R")
+
+# every transfer has a deadline; this one when the caller names none
+DEFAULT_TRANSFER_TIMEOUT = 60.0
+
+
+def transfer_timeout(timeout: float | None) -> float:
+    """The deadline of a transfer in seconds: ``timeout``, or the default for
+    None; it must be finite and positive (no wait lasts for ever)."""
+    t = DEFAULT_TRANSFER_TIMEOUT if timeout is None else float(timeout)
+    if not (t > 0 and math.isfinite(t)):
+        raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return t
+
+
+@dataclass
+class TransferStats:
+    """What one transfer moved: ``bytes`` (raw, as the engine sees them),
+    ``wire_bytes`` (chunk bodies on the wire, after compression; resends and
+    duplicates included), ``seconds`` (from the call to completion), ``chunks``
+    (chunk frames: sent, or received and written)."""
+
+    bytes: int = 0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    chunks: int = 0
+
+    @property
+    def goodput_Bps(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class SendStats(TransferStats):
+    """The sender's view: ``retries`` (chunks sent again: NACK, a lost
+    connection, an acknowledgement that did not come in time), ``streams``
+    (connections that carried this transfer's data), ``chunk_size``,
+    ``compression`` (the decision and its numbers)."""
+
+    retries: int = 0
+    streams: int = 0
+    chunk_size: int = 0
+    compression: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chunks_sent(self) -> int:
+        return self.chunks
+
+
+@dataclass
+class ReceiveStats(TransferStats):
+    """The receiver's view: ``duplicates`` (frames whose bytes it held or was
+    writing already), ``bad_chunks`` (frames that failed their checksum or
+    decoding, asked for again), ``placed`` (frames read straight into the
+    destination's memory)."""
+
+    duplicates: int = 0
+    bad_chunks: int = 0
+    placed: int = 0
 
 
 class TransferHandleBase(abc.ABC, Generic[R]):

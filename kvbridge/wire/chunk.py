@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..errors import ChecksumError, DecompressError, RemoteProtocolError
+from ..errors import ChecksumError, DecompressError, InvalidArgument, RemoteProtocolError
 from .frames import ChunkCodec
 
 __all__ = ["checksum", "decode_chunk", "encode_chunk", "shuffle2", "unshuffle2"]
@@ -75,7 +75,7 @@ def encode_chunk(
     elif codec == ChunkCodec.ZSTD:
         body = _zstd_c().compress(body)
     elif codec != ChunkCodec.RAW:
-        raise ValueError(f"unknown chunk codec {codec}")
+        raise InvalidArgument(f"unknown chunk codec {codec}")
     return body, checksum(body)
 
 

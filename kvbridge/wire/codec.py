@@ -12,14 +12,23 @@ without an intermediate copy.  :meth:`FrameDecoder.feed` is the plain bytes-in v
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Callable
 from typing import Any
 
 import xxhash
 
-from ..errors import FrameTooLarge, RemoteProtocolError, UnknownFrame, VersionMismatch
+from ..errors import (
+    FrameTooLarge,
+    InvalidArgument,
+    LocalProtocolError,
+    RemoteProtocolError,
+    UnknownFrame,
+    VersionMismatch,
+)
 from .frames import (
     CONTROL_FIRST,
+    DATA_CHECK_SIZE,
     DATA_HEADER_SIZE,
     DEFAULT_MAX_FRAME,
     FLAGS_CRITICAL_MASK,
@@ -31,6 +40,7 @@ from .frames import (
     DataHead,
     FrameType,
     Message,
+    data_head_check,
     decode_data_head,
     decode_payload,
     encode_payload,
@@ -39,6 +49,7 @@ from .frames import (
 __all__ = ["FrameDecoder", "encode_frame", "encode_frame_parts"]
 
 _KNOWN = frozenset(int(t) for t in FrameType)
+_U64 = struct.Struct("<Q")
 _STAGING = 256 * 1024
 _PLACE_MIN = 4096  # whole DATA frames from this size are offered to ``place``
 _PEEK = 4096  # a staging read right after a large payload (see get_buffer)
@@ -50,10 +61,13 @@ def encode_frame_parts(msg: Message, version: int = PROTOCOL_VERSION) -> list[by
     """Buffers whose concatenation is the frame of ``msg`` (DATA bytes are not copied)."""
     ftype, flags, payload = encode_payload(msg)
     extra = msg.data if isinstance(msg, Data) else b""
-    length = len(payload) + len(extra)
+    checked = isinstance(msg, Data) and msg.head_check
+    length = len(payload) + len(extra) + (DATA_CHECK_SIZE if checked else 0)
     if length > 0xFFFFFFFF:
-        raise RemoteProtocolError("frame payload exceeds 4 GiB")
+        raise LocalProtocolError("frame payload exceeds 4 GiB")
     head = HEADER.pack(MAGIC, version, ftype, flags, length) + payload
+    if checked:  # the header check covers the 56 bytes before it (protocol.md 5.9)
+        head += _U64.pack(xxhash.xxh3_64_intdigest(head))
     return [head, extra] if len(extra) else [head]
 
 
@@ -92,12 +106,16 @@ class FrameDecoder:
         max_payload: int = DEFAULT_MAX_FRAME,
         allocate: Callable[[int], bytearray] | None = None,
         place: Callable[[DataHead], memoryview | None] | None = None,
+        staging: int = _STAGING,
     ) -> None:
         self.max_payload = max_payload
         self.allocate: Callable[[int], bytearray] = allocate or bytearray
         self.place = place
         self.version: int | None = None
-        self._stage = bytearray(_STAGING)
+        # DATA frames carry the header check (both peers announced RANGES):
+        # a frame whose check fails is a protocol error before anything of it is used
+        self.data_check = False
+        self._stage = bytearray(staging)
         self._r = 0
         self._w = 0
         # the large payload being received: its buffer (the whole payload, or
@@ -176,6 +194,16 @@ class FrameDecoder:
             out.extend(self.buffer_updated(n))
         return out
 
+    def set_staging(self, size: int) -> None:
+        """Resize the staging buffer (a connection starts small during its
+        handshake and grows once authenticated); keeps the bytes in it."""
+        if self._big is not None or self._skip or size < self._w - self._r:
+            return
+        new = bytearray(size)
+        n = self._w - self._r
+        new[:n] = self._stage[self._r : self._w]
+        self._stage, self._r, self._w = new, 0, n
+
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as messages."""
@@ -208,6 +236,19 @@ class FrameDecoder:
             self._check_header(version, ftype, length)
             avail = self._w - self._r - HEADER_SIZE
             start = self._r + HEADER_SIZE
+            if ftype == FrameType.DATA and self.data_check:
+                need = DATA_HEADER_SIZE + DATA_CHECK_SIZE
+                if length < need:
+                    raise RemoteProtocolError(f"DATA of {length} bytes has no header check")
+                if avail < need:
+                    self._wait_for(need)
+                    return
+                carried, computed = data_head_check(self._stage, self._r)
+                if carried != computed:
+                    raise RemoteProtocolError(
+                        f"DATA header check {carried:#018x} != {computed:#018x}: "
+                        "the frame header is damaged"
+                    )
             if avail >= length:
                 if (
                     ftype == FrameType.DATA
@@ -230,6 +271,11 @@ class FrameDecoder:
         if self._r == self._w:
             self._r = self._w = 0
 
+    @property
+    def _data_prefix(self) -> int:
+        """The fixed part of a DATA payload before its body."""
+        return DATA_HEADER_SIZE + (DATA_CHECK_SIZE if self.data_check else 0)
+
     def _wait_for(self, n: int) -> None:
         """Make room for ``n`` payload bytes after the header at ``_r``."""
         if self._r + HEADER_SIZE + n > len(self._stage):
@@ -240,7 +286,7 @@ class FrameDecoder:
         straight to where ``place`` says (one copy instead of two)."""
         head = decode_data_head(self._stage, start)
         prefix = length - head.wire_length
-        if prefix < DATA_HEADER_SIZE:
+        if prefix < self._data_prefix:
             return False  # decode_payload reports it
         view = self._ask_place(flags, head)
         if view is None:
@@ -257,7 +303,7 @@ class FrameDecoder:
             return None
         view = self.place(head)
         if view is not None and len(view) != head.wire_length:
-            raise ValueError(f"place() gave {len(view)} bytes for {head.wire_length}")
+            raise InvalidArgument(f"place() gave {len(view)} bytes for {head.wire_length}")
         return view
 
     @staticmethod
@@ -275,7 +321,7 @@ class FrameDecoder:
         if ftype == FrameType.DATA:
             head = decode_data_head(stage, start)
             prefix = length - head.wire_length
-            if prefix < DATA_HEADER_SIZE:
+            if prefix < self._data_prefix:
                 raise RemoteProtocolError(
                     f"DATA wire length {head.wire_length} exceeds payload of {length} bytes"
                 )

@@ -20,7 +20,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..errors import RemoteProtocolError, UnknownFrame
+import xxhash
+
+from ..errors import ErrorCode, LocalProtocolError, RemoteProtocolError, UnknownFrame
 
 MAGIC = 0x4642564B  # b"KVBF" little-endian
 PROTOCOL_VERSION = 1
@@ -74,31 +76,63 @@ class Capability(enum.IntFlag):
     LZ4 = 1
     ZSTD = 2
     SHUFFLE2 = 4
+    # byte-range bookkeeping (docs/protocol.md 5.9): DATA carries a header
+    # check and may cover part of a chunk; RESUME lists any byte ranges; a
+    # later OPEN may change the chunk size.  Used when both peers announce it.
+    RANGES = 8
 
 
-ALL_CAPABILITIES = int(Capability.LZ4 | Capability.ZSTD | Capability.SHUFFLE2)
+CODEC_CAPABILITIES = int(Capability.LZ4 | Capability.ZSTD | Capability.SHUFFLE2)
+ALL_CAPABILITIES = CODEC_CAPABILITIES | int(Capability.RANGES)
 
-
-class ErrorCode(enum.IntEnum):
-    """Codes of ERROR (connection) and ABORT (transfer) frames."""
-
-    UNSPECIFIED = 0
-    VERSION_MISMATCH = 1
-    INCOMPATIBLE_LAYOUT = 2
-    AUTH_FAILED = 3
-    IDENTITY_REJECTED = 4
-    PROTOCOL_ERROR = 5
-    FRAME_TOO_LARGE = 6
-    UNKNOWN_TOKEN = 7
-    TRANSFER_MISMATCH = 8
-    CANCELLED = 9
-    TIMEOUT = 10
-    RESOURCE_LIMIT = 11
-    SINK_ERROR = 12
-    SOURCE_ERROR = 13
-    SHUTDOWN = 14
-    CHECKSUM = 15
-    DECOMPRESS = 16
+__all__ = [  # noqa: RUF022  (grouped as in docs/protocol.md)
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "SUPPORTED_VERSIONS",
+    "HEADER",
+    "HEADER_SIZE",
+    "NONCE_SIZE",
+    "PROOF_SIZE",
+    "TOKEN_SIZE",
+    "MIN_MAX_FRAME",
+    "DEFAULT_MAX_FRAME",
+    "FLAGS_CRITICAL_MASK",
+    "MAX_STRING",
+    "MAX_RANGES",
+    "FrameType",
+    "CONTROL_FIRST",
+    "HANDOFF_RANGE",
+    "PREFIX_RANGE",
+    "AuthMethod",
+    "ChunkCodec",
+    "Capability",
+    "CODEC_CAPABILITIES",
+    "ALL_CAPABILITIES",
+    "ErrorCode",
+    "Hello",
+    "HelloAck",
+    "Auth",
+    "Ready",
+    "Error",
+    "Ping",
+    "Pong",
+    "Open",
+    "Resume",
+    "Data",
+    "Ack",
+    "Nack",
+    "Abort",
+    "Complete",
+    "Control",
+    "Message",
+    "DATA_HEADER_SIZE",
+    "DATA_CHECK_SIZE",
+    "DataHead",
+    "decode_data_head",
+    "encode_payload",
+    "decode_payload",
+    "data_head_check",
+]
 
 
 # ---- messages -------------------------------------------------------------------------------
@@ -191,6 +225,8 @@ class Data:
     # is a view of the destination that a placement callback handed out
     digest: int | None = field(default=None, repr=False, compare=False)
     placed: bool = field(default=False, repr=False, compare=False)
+    # encode the header check (the RANGES capability, docs/protocol.md 5.9)
+    head_check: bool = field(default=False, repr=False, compare=False)
 
     @property
     def wire_length(self) -> int:
@@ -258,12 +294,14 @@ _ID = struct.Struct("<Q")
 _RANGE = struct.Struct("<QQ")
 _COUNT = struct.Struct("<QI")  # transfer id + range count
 _DATA = struct.Struct("<QQQIIBBHQ")  # 44
+_CHECK = struct.Struct("<Q")  # the DATA header check, right after the 44 bytes
 _NACK = struct.Struct("<QQQH")  # 26
 _ABORT = struct.Struct("<QH")  # 10
 _COMPLETE = struct.Struct("<QQ")
 _ERROR = struct.Struct("<H")
 _STRLEN = struct.Struct("<H")
 DATA_HEADER_SIZE = _DATA.size
+DATA_CHECK_SIZE = _CHECK.size
 
 
 class DataHead(NamedTuple):
@@ -284,6 +322,15 @@ def decode_data_head(buf: bytes | bytearray | memoryview, pos: int = 0) -> DataH
     """The :class:`DataHead` at ``buf[pos:]`` (at least DATA_HEADER_SIZE bytes)."""
     tid, seq, off, raw, wl, codec, shuf, _, ck = _DATA.unpack_from(buf, pos)
     return DataHead(tid, seq, off, raw, wl, codec, shuf, ck)
+
+
+def data_head_check(frame_start: bytes | bytearray | memoryview, pos: int = 0) -> tuple[int, int]:
+    """``(carried, computed)`` header check of the DATA frame whose 12-byte
+    header starts at ``frame_start[pos:]`` (at least 64 bytes there): the u64
+    at payload offset 44, and the XXH3-64 of the 56 bytes before it."""
+    (carried,) = _CHECK.unpack_from(frame_start, pos + HEADER_SIZE + DATA_HEADER_SIZE)
+    end = pos + HEADER_SIZE + DATA_HEADER_SIZE
+    return int(carried), int(xxhash.xxh3_64_intdigest(memoryview(frame_start)[pos:end]))
 
 
 def _s(text: str) -> bytes:
@@ -386,7 +433,7 @@ def encode_payload(msg: Message) -> tuple[int, int, bytes]:
             if not CONTROL_FIRST <= msg.type <= 0xFF:
                 raise RemoteProtocolError(f"control type {msg.type:#x} outside 0x40-0xFF")
             return msg.type, msg.flags, bytes(msg.payload)
-    raise TypeError(f"not a kvbridge message: {msg!r}")
+    raise LocalProtocolError(f"not a kvbridge message: {msg!r}")
 
 
 # ---- decoding -----------------------------------------------------------------------------

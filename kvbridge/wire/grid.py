@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..errors import RemoteProtocolError
+from ..errors import InvalidArgument, RemoteProtocolError
 
 __all__ = ["ChunkGrid"]
 
@@ -14,7 +14,7 @@ __all__ = ["ChunkGrid"]
 class ChunkGrid:
     def __init__(self, total_bytes: int, chunk_size: int) -> None:
         if chunk_size <= 0 or total_bytes < 0:
-            raise ValueError("chunk_size must be positive and total_bytes non-negative")
+            raise InvalidArgument("chunk_size must be positive and total_bytes non-negative")
         self.total = total_bytes
         self.chunk_size = chunk_size
         self.count = -(-total_bytes // chunk_size)

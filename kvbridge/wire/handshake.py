@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 from ..errors import (
     AuthenticationError,
-    FrameTooLarge,
     IncompatiblePeer,
+    InvalidArgument,
     KVBridgeError,
-    ProtocolError,
     RemoteProtocolError,
     ResourceLimit,
     VersionMismatch,
@@ -58,14 +57,7 @@ from .frames import (
     Ready,
 )
 
-__all__ = [
-    "ClientHandshake",
-    "PeerInfo",
-    "ServerHandshake",
-    "code_for_exception",
-    "exception_for_error",
-    "psk_proof",
-]
+__all__ = ["ClientHandshake", "PeerInfo", "ServerHandshake", "psk_proof"]
 
 CLIENT_LABEL = b"kvbridge-v1 client proof"
 SERVER_LABEL = b"kvbridge-v1 server proof"
@@ -111,43 +103,6 @@ class PeerInfo:
     description: PeerDescription | None = None  # what the peer serves, if it said
 
 
-_ERROR_CLASSES: dict[int, type[KVBridgeError]] = {
-    ErrorCode.VERSION_MISMATCH: VersionMismatch,
-    ErrorCode.INCOMPATIBLE_LAYOUT: IncompatiblePeer,
-    ErrorCode.AUTH_FAILED: AuthenticationError,
-    ErrorCode.IDENTITY_REJECTED: AuthenticationError,
-    ErrorCode.UNKNOWN_TOKEN: AuthenticationError,
-    ErrorCode.RESOURCE_LIMIT: ResourceLimit,
-    ErrorCode.FRAME_TOO_LARGE: FrameTooLarge,
-}
-
-
-def exception_for_error(code: int, reason: str) -> KVBridgeError:
-    """The typed error for an ERROR frame received from the peer."""
-    cls = _ERROR_CLASSES.get(code, RemoteProtocolError)
-    try:
-        name = ErrorCode(code).name
-    except ValueError:
-        name = str(code)
-    return cls(f"peer refused ({name}): {reason}")
-
-
-def code_for_exception(exc: BaseException) -> ErrorCode:
-    """The ERROR code that tells the peer why we are closing."""
-    order: list[tuple[type[BaseException], ErrorCode]] = [
-        (VersionMismatch, ErrorCode.VERSION_MISMATCH),
-        (FrameTooLarge, ErrorCode.FRAME_TOO_LARGE),
-        (AuthenticationError, ErrorCode.AUTH_FAILED),
-        (IncompatiblePeer, ErrorCode.INCOMPATIBLE_LAYOUT),
-        (ResourceLimit, ErrorCode.RESOURCE_LIMIT),
-        (ProtocolError, ErrorCode.PROTOCOL_ERROR),
-    ]
-    for cls, code in order:
-        if isinstance(exc, cls):
-            return code
-    return ErrorCode.UNSPECIFIED
-
-
 class _Base:
     def __init__(
         self,
@@ -159,7 +114,7 @@ class _Base:
         description: PeerDescription | None = None,
     ) -> None:
         if max_frame < MIN_MAX_FRAME or max_frame > 0xFFFFFFFF:
-            raise ValueError(f"max_frame must be in [{MIN_MAX_FRAME}, 2**32)")
+            raise InvalidArgument(f"max_frame must be in [{MIN_MAX_FRAME}, 2**32)")
         self.identity = identity
         self.compat_hash = compat_hash & 0xFFFFFFFFFFFFFFFF
         self.max_frame = max_frame
@@ -313,7 +268,11 @@ class ClientHandshake(_Base):
 
 class ServerHandshake(_Base):
     """The listening side.  ``psk`` is one key for every peer or a mapping
-    ``identity -> key``; ``allowed_identities`` (if given) limits who may connect."""
+    ``identity -> key``; ``allowed_identities`` (if given) limits who may
+    connect; ``cert_names`` (if given: the names of the client certificate,
+    under mutual TLS) must contain the claimed identity.  ``admit(identity)``
+    runs once the peer has authenticated (after AUTH), never before: it may
+    raise ResourceLimit, which refuses the connection."""
 
     def __init__(
         self,
@@ -326,12 +285,14 @@ class ServerHandshake(_Base):
         capabilities: int = ALL_CAPABILITIES,
         nonce: bytes | None = None,
         admit: Callable[[str], None] | None = None,
+        cert_names: frozenset[str] | None = None,
         description: PeerDescription | None = None,
     ) -> None:
         super().__init__(identity, compat_hash, max_frame, capabilities, nonce, description)
         self.psk = psk
         self.allowed = allowed_identities
         self.admit = admit
+        self.cert_names = cert_names
         self._hello: Hello | None = None
         self._key: bytes | None = None
         self._peer_description: PeerDescription | None = None
@@ -364,6 +325,14 @@ class ServerHandshake(_Base):
                 AuthenticationError(f"identity {hello.identity!r} is not allowed"),
                 ErrorCode.IDENTITY_REJECTED,
             )
+        if self.cert_names is not None and hello.identity not in self.cert_names:
+            names = ", ".join(sorted(self.cert_names)) or "none"
+            raise self._fail(
+                AuthenticationError(
+                    f"identity {hello.identity!r} is not a name of the client certificate ({names})"
+                ),
+                ErrorCode.IDENTITY_REJECTED,
+            )
         if hello.max_frame < MIN_MAX_FRAME:
             raise self._fail(
                 RemoteProtocolError(f"client announced max frame {hello.max_frame}"),
@@ -386,11 +355,6 @@ class ServerHandshake(_Base):
                 AuthenticationError("this server requires the pre-shared-key handshake"),
                 ErrorCode.AUTH_FAILED,
             )
-        if self.admit is not None:
-            try:
-                self.admit(hello.identity)
-            except ResourceLimit as e:
-                raise self._fail(e, ErrorCode.RESOURCE_LIMIT) from None
         self._hello, self._key = hello, key
         proof = _ZERO_PROOF
         auth = AuthMethod.NONE
@@ -438,6 +402,11 @@ class ServerHandshake(_Base):
                     ),
                     ErrorCode.AUTH_FAILED,
                 )
+        if self.admit is not None:
+            try:
+                self.admit(h.identity)
+            except ResourceLimit as e:
+                raise self._fail(e, ErrorCode.RESOURCE_LIMIT) from None
         self.peer = PeerInfo(
             h.identity,
             min(SUPPORTED_VERSIONS[1], h.max_version),

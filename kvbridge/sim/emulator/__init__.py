@@ -13,18 +13,32 @@ See docs/emulator.md.
 
 from __future__ import annotations
 
-from .faults import DropAtAccept, Fault, FaultProxy, FaultStats, FlipBits, ResetAfter, Stall
+from .faults import (
+    Blackhole,
+    CorruptFrame,
+    DropAtAccept,
+    Fault,
+    FaultProxy,
+    FaultStats,
+    FlipBits,
+    HalfClose,
+    ResetAfter,
+    Stall,
+)
 from .link import Link, LinkStats
 from .params import LinkParams, parse_fraction, parse_rate, parse_size, parse_time
 from .proxy import ProxyEmulator
 from .wan import WanEmulator
 
 __all__ = [
+    "Blackhole",
+    "CorruptFrame",
     "DropAtAccept",
     "Fault",
     "FaultProxy",
     "FaultStats",
     "FlipBits",
+    "HalfClose",
     "Link",
     "LinkParams",
     "LinkStats",

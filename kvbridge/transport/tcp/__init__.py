@@ -11,16 +11,20 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ..handle import DEFAULT_TRANSFER_TIMEOUT, ReceiveStats, SendStats, TransferStats
 from .compress import CompressionDecision, CompressionPolicy
 from .conn import FrameConnection
+from .handles import ExpectHandle, SendHandle
 from .kvio import BytesSink, BytesSource, KVSink, KVSource, Sink, Source
-from .receiver import ExpectHandle, ReceiverLimits, TcpReceiver
+from .limits import ReceiverLimits
+from .receiver import TcpReceiver
 from .scheduler import ChunkScheduler
-from .sender import DEFAULT_CHUNK, DEFAULT_STREAMS, SendHandle, SendStats, TcpSender
+from .sender import DEFAULT_CHUNK, DEFAULT_STREAMS, TcpSender
 
 __all__ = [
     "DEFAULT_CHUNK",
     "DEFAULT_STREAMS",
+    "DEFAULT_TRANSFER_TIMEOUT",
     "BytesSink",
     "BytesSource",
     "ChunkScheduler",
@@ -30,6 +34,7 @@ __all__ = [
     "FrameConnection",
     "KVSink",
     "KVSource",
+    "ReceiveStats",
     "ReceiverLimits",
     "SendHandle",
     "SendStats",
@@ -37,6 +42,7 @@ __all__ = [
     "Source",
     "TcpReceiver",
     "TcpSender",
+    "TransferStats",
     "new_event_loop",
     "run",
 ]

@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
+from ...errors import InvalidArgument
 from ...wire.chunk import encode_chunk
 from ...wire.frames import ChunkCodec
 
@@ -53,7 +54,7 @@ class CompressionPolicy:
         min_bytes: int = 8 << 20,
     ) -> None:
         if mode not in MODES:
-            raise ValueError(f"compression must be one of {MODES}, not {mode!r}")
+            raise InvalidArgument(f"compression must be one of {MODES}, not {mode!r}")
         self.mode = mode
         self.link_Bps = link_Bps
         self.spare_cores = spare_cores or max(1, (os.cpu_count() or 2) - 1)

@@ -19,18 +19,22 @@ import time
 from collections.abc import Callable
 
 from ...errors import (
+    AuthenticationError,
     ConnectTimeout,
     HandshakeTimeout,
     KVBridgeError,
     LocalProtocolError,
     PeerGone,
     RemoteProtocolError,
+    code_for_error,
+    error_for_code,
     map_os_error,
 )
 from ...wire.codec import FrameDecoder, encode_frame_parts
 from ...wire.frames import (
     CONTROL_FIRST,
     Auth,
+    Capability,
     Control,
     Error,
     Hello,
@@ -40,13 +44,7 @@ from ...wire.frames import (
     Pong,
     Ready,
 )
-from ...wire.handshake import (
-    ClientHandshake,
-    PeerInfo,
-    ServerHandshake,
-    code_for_exception,
-    exception_for_error,
-)
+from ...wire.handshake import ClientHandshake, PeerInfo, ServerHandshake
 
 log = logging.getLogger("kvbridge.transport")
 
@@ -54,6 +52,8 @@ __all__ = ["FrameConnection", "connect", "serve_handshake"]
 
 Handler = Callable[["FrameConnection", Message], None]
 _HANDSHAKE_MAX_PAYLOAD = 65536
+_HANDSHAKE_STAGING = 8192  # a connection's read buffer until it authenticated
+_STAGING = 256 << 10  # then
 
 
 CLOSE_GRACE_S = 5.0  # at most this long to flush a closing connection's queue
@@ -74,7 +74,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         replies_only: bool = False,
     ) -> None:
         self.id = next(self._ids)
-        self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD)
+        self.frames_in = 0  # frames decoded so far
+        self.decoder = FrameDecoder(_HANDSHAKE_MAX_PAYLOAD, staging=_HANDSHAKE_STAGING)
         self.decoder.on_message = self._on_decoded  # in order, as each frame is parsed
         self.transport: asyncio.Transport | None = None
         self.peer: PeerInfo | None = None
@@ -119,6 +120,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.fail(e)
 
     def _on_decoded(self, m: Message) -> None:
+        self.frames_in += 1
         if not self.closed:
             self._dispatch(m)
 
@@ -151,7 +153,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         if isinstance(m, Pong):
             return
         if isinstance(m, Error):
-            self.close_error = exception_for_error(m.code, m.reason)
+            self.close_error = error_for_code(m.code, m.reason, connection=True)
             if self.handler is None:
                 self._inbox.put_nowait(self.close_error)
             self.abort_transport()
@@ -247,6 +249,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         """The handshake is done: bound frames by our limit, start keepalive."""
         self.peer = peer
         self.decoder.version = peer.version
+        self.decoder.set_staging(_STAGING)
         self.handler = handler
         while not self._inbox.empty():
             item = self._inbox.get_nowait()
@@ -283,7 +286,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.close_error = exc
         if send_error and isinstance(exc, RemoteProtocolError | KVBridgeError):
             with contextlib.suppress(Exception):
-                self.send(Error(int(code_for_exception(exc)), str(exc)[:1000]))
+                self.send(Error(code_for_error(exc), str(exc)[:1000]))
         self.close()
 
     def close(self) -> None:
@@ -331,7 +334,15 @@ async def connect(
     keepalive_timeout: float = 20.0,
 ) -> FrameConnection:
     """Open a connection and run the client handshake; raises ConnectTimeout,
-    HandshakeTimeout, PeerGone, or the handshake's typed error."""
+    HandshakeTimeout, PeerGone, or the handshake's typed error.
+
+    Over TLS, a receiver that resets the TLS handshake, or closes the
+    connection after it without answering HELLO (no ERROR frame), refused us
+    at the TLS layer: our client certificate (absent, from another CA,
+    expired) or our TLS parameters.  A kvbridge receiver answers every HELLO
+    otherwise, so that is AuthenticationError at once, not PeerGone to
+    retry.  (asyncio reports such a refusal as a reset or a clean close, never
+    with the alert, so the reason cannot be told apart further.)"""
     loop = asyncio.get_running_loop()
     try:
         _, conn = await asyncio.wait_for(
@@ -349,18 +360,30 @@ async def connect(
         )
     except TimeoutError:
         raise ConnectTimeout(f"connect to {host}:{port} took over {connect_timeout} s") from None
+    except (ConnectionResetError, ConnectionAbortedError, EOFError) as e:
+        if ssl is None:
+            raise map_os_error(e, "connect") from e
+        raise AuthenticationError(
+            f"{host}:{port} reset the TLS handshake: it refused our client certificate "
+            f"or TLS parameters ({e!r})"
+        ) from e
     except (OSError, _ssl.SSLError) as e:
         raise map_os_error(e, "connect") from e
     assert isinstance(conn, FrameConnection)
     try:
         await asyncio.wait_for(_client_steps(conn, handshake), handshake_timeout)
     except KVBridgeError as e:  # first: our timeout errors are TimeoutErrors too
+        if ssl is not None and isinstance(e, PeerGone) and conn.frames_in == 0:
+            e = AuthenticationError(
+                f"{host}:{port} closed the TLS connection without answering HELLO: it "
+                f"refused our client certificate or TLS parameters ({e})"
+            )
         if handshake.error is not None:
             with contextlib.suppress(KVBridgeError):
                 conn.send(handshake.error)
         conn.close_error = e
         conn.close()
-        raise
+        raise e from None
     except TimeoutError:
         conn.abort_transport()
         raise HandshakeTimeout(
@@ -390,7 +413,7 @@ async def serve_handshake(conn: FrameConnection, hs: ServerHandshake, timeout: f
     try:
         await asyncio.wait_for(_server_steps(conn, hs), timeout)
     except KVBridgeError as e:  # first: our timeout errors are TimeoutErrors too
-        err = hs.error or Error(int(code_for_exception(e)), str(e))
+        err = hs.error or Error(code_for_error(e), str(e))
         if not conn.closed:
             with contextlib.suppress(KVBridgeError):
                 conn.send(err)
@@ -414,4 +437,8 @@ async def _server_steps(conn: FrameConnection, hs: ServerHandshake) -> None:
         raise RemoteProtocolError(f"expected AUTH, got {type(auth).__name__}")
     ready = hs.on_auth(auth)
     conn.set_max_payload(hs.max_frame)
+    assert hs.peer is not None
+    # both announced RANGES: the client's DATA frames carry the header check
+    # from its first frame after READY on (docs/protocol.md 5.9)
+    conn.decoder.data_check = bool(hs.peer.capabilities & hs.capabilities & Capability.RANGES)
     conn.send(ready)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from ...errors import InvalidArgument
+
 __all__ = ["ChunkScheduler", "Schedulable"]
 
 
@@ -32,7 +34,9 @@ class ChunkScheduler:
 
     def __init__(self, policy: str = "srpt") -> None:
         if policy not in self.POLICIES:
-            raise ValueError(f"scheduler policy must be one of {self.POLICIES}, not {policy!r}")
+            raise InvalidArgument(
+                f"scheduler policy must be one of {self.POLICIES}, not {policy!r}"
+            )
         self.policy = policy
         self._items: list[Schedulable] = []
         self._wake = asyncio.Event()

@@ -1,4 +1,6 @@
-"""A transfer in flight over UCX: awaitable, cancellable, with statistics."""
+"""A transfer in flight over UCX: a :class:`TransferHandleBase` (awaitable,
+``progress``, ``done``, ``cancel``, ``wait``) whose result is its typed
+:class:`TransferStats`."""
 
 from __future__ import annotations
 
@@ -8,14 +10,16 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._waits import wait_within
 from ...errors import Cancelled, KVBridgeError, TransferTimeout
+from ..handle import TransferHandleBase
 
 __all__ = ["TransferHandle", "TransferStats"]
 
 
 @dataclass
 class TransferStats:
+    """What one UCX send or receive did."""
+
     request_id: str
     direction: str  # "send" or "recv"
     path: str = ""  # "put" (zero-copy) or "staging" (pack, put, unpack)
@@ -28,6 +32,11 @@ class TransferStats:
     finished: float = 0.0
 
     @property
+    def wire_bytes(self) -> int:
+        """Bytes that crossed the link (UCX sends them uncompressed)."""
+        return self.bytes
+
+    @property
     def seconds(self) -> float:
         return (self.finished or time.monotonic()) - self.started
 
@@ -37,76 +46,86 @@ class TransferStats:
         return self.bytes / s / 1e9 if s > 0 else 0.0
 
 
-class TransferHandle:
+class TransferHandle(TransferHandleBase[TransferStats]):
     """One send or one expected receive.  ``await handle`` returns the
     :class:`TransferStats` or raises a :mod:`kvbridge.errors` error; a
-    deadline (``timeout``) is armed at creation, whether awaited or not."""
+    deadline (``timeout``) is armed at creation, whether awaited or not.
+    ``cancel()`` fails it with ``Cancelled`` here and tells the peer."""
+
+    _what = "complete"
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
         request_id: str,
         direction: str,
+        total: int,
         timeout: float,
         on_abort: Callable[[TransferHandle, KVBridgeError], None],
+        *,
+        armed: bool = True,
     ) -> None:
-        self.request_id = request_id
+        super().__init__(request_id, total, self._cancelled)
         self.stats = TransferStats(request_id, direction)
-        self._future: asyncio.Future[TransferStats] = loop.create_future()
+        self._cancel_reason = f"{direction} cancelled"
         self._on_abort = on_abort
-        self._timer = loop.call_later(timeout, self._expire, timeout)
-        # set by the agent: the peer, the staging task, the receiver's state
-        self._peer: Any = None
-        self._task: asyncio.Task[None] | None = None
-        self._expect: Any = None
+        self._timeout = timeout
+        self._timer: asyncio.TimerHandle | None = (
+            self._fut.get_loop().call_later(timeout, self._expire) if armed else None
+        )
+        # the owner's state: the staging task of a send, the expectation of a receive
+        self.task: asyncio.Task[None] | None = None
+        self.owner: Any = None
 
-    # -- state --------------------------------------------------------------
-    def done(self) -> bool:
-        return self._future.done()
+    # -- TransferHandleBase ---------------------------------------------------
+    def _moved_bytes(self) -> int:
+        return min(self.stats.bytes, self.total_bytes)
 
-    def exception(self) -> BaseException | None:
-        return self._future.exception() if self._future.done() else None
+    def _result(self, seconds: float) -> TransferStats:
+        return self.stats
+
+    def arm(self) -> None:
+        """Start the deadline of a handle created unarmed (it did not finish inline)."""
+        if self._timer is None and not self._fut.done():
+            self._timer = self._fut.get_loop().call_later(self._timeout, self._expire)
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
-        return asyncio.shield(self._future).__await__()
+        if self._fut.done():  # a small put that completed inline: no shield, no yield
+            return self._fut.__await__()
+        return super().__await__()
 
-    async def wait(self, timeout: float | None = None) -> TransferStats:
-        """Wait at most ``timeout`` seconds more (the handle's own deadline
-        still applies); raises TransferTimeout without cancelling the transfer."""
-        return await wait_within(
-            asyncio.shield(self._future),
-            timeout,
-            lambda: TransferTimeout(f"{self.request_id}: not done within {timeout} s"),
-        )
+    # -- state ------------------------------------------------------------------
+    def exception(self) -> BaseException | None:
+        return self._fut.exception() if self._fut.done() else None
 
-    # -- completion (used by the agent) ---------------------------------------
-    def _finish(self) -> None:
-        if not self._future.done():
-            self.stats.finished = time.monotonic()
-            self._timer.cancel()
-            self._future.set_result(self.stats)
-
-    def _fail(self, exc: KVBridgeError) -> bool:
-        if self._future.done():
+    # -- completion (used by the agent) ---------------------------------------------
+    def finish(self) -> bool:
+        """Resolve with the stats; False when already resolved."""
+        if self._fut.done():
             return False
         self.stats.finished = time.monotonic()
-        self._timer.cancel()
-        self._future.set_exception(exc)
-        # Nobody may await a failed handle; do not warn about it.
-        self._future.exception()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._resolve(None)
         return True
 
-    def _expire(self, timeout: float) -> None:
+    def fail(self, exc: KVBridgeError) -> bool:
+        """Resolve with ``exc``; False when already resolved."""
+        if self._fut.done():
+            return False
+        self.stats.finished = time.monotonic()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._resolve(exc)
+        return True
+
+    def _expire(self) -> None:
         exc = TransferTimeout(
-            f"{self.stats.direction} {self.request_id!r}: deadline of {timeout} s passed"
+            f"{self.stats.direction} {self.request_id!r}: deadline of {self._timeout} s passed"
         )
-        if self._fail(exc):
+        if self.fail(exc):
             self._on_abort(self, exc)
 
-    def cancel(self, reason: str = "cancelled") -> bool:
-        """Cancel locally (raises Cancelled in waiters) and tell the peer."""
+    def _cancelled(self, reason: str) -> None:
         exc = Cancelled(f"{self.stats.direction} {self.request_id!r}: {reason}")
-        if self._fail(exc):
+        if self.fail(exc):
             self._on_abort(self, exc)
-            return True
-        return False

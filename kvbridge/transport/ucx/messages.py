@@ -7,6 +7,10 @@ Every message is one UCX active message of at most ``MAX_MESSAGE`` bytes::
     (request id as UTF-8, text, blob)
 
 The meaning of the numeric fields depends on the kind (see :class:`Message`).
+Version 2 (this build) writes ABORT codes as ``kvbridge.wire.frames.ErrorCode``
+values, the codes of TCP's ABORT frame; version 1 peers wrote 1 (cancelled),
+2 (timeout), 3 (protocol), which :func:`abort_code_v2` translates.  Both
+versions decode; a message keeps the version it was read with.
 """
 
 from __future__ import annotations
@@ -15,19 +19,21 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from ...errors import RemoteProtocolError, UnknownFrame, VersionMismatch
+from ...errors import InvalidArgument, RemoteProtocolError, UnknownFrame, VersionMismatch
 
 __all__ = [
     "MAX_HELLO_BLOB",
     "MAX_MESSAGE",
     "Kind",
     "Message",
+    "abort_code_v2",
     "decode_message",
     "encode_message",
 ]
 
 MAGIC = 0x4B55
-VERSION = 1
+VERSION = 2
+MIN_VERSION = 1
 MAX_MESSAGE = 60 * 1024
 MAX_RID = 1024
 
@@ -65,17 +71,29 @@ class Message:
     code: int = 0  # also: 1 = last chunk for STAGE_CHUNK; epoch for HELLO
     text: str = ""
     blob: bytes = b""
+    version: int = VERSION
+
+
+# version 1 ABORT codes -> ErrorCode: CANCELLED, TIMEOUT, PROTOCOL_ERROR
+_V1_ABORT = {1: 9, 2: 10, 3: 5}
+
+
+def abort_code_v2(m: Message) -> int:
+    """The ErrorCode value of an ABORT, whichever version wrote it."""
+    if m.version == 1:
+        return _V1_ABORT.get(m.code, 0)
+    return m.code
 
 
 def encode_message(m: Message) -> bytes:
     rid = m.rid.encode()
     text = m.text.encode()[:4096]
     if len(rid) > MAX_RID:
-        raise ValueError(f"request id longer than {MAX_RID} bytes")
+        raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
     out = (
         _HEAD.pack(
             MAGIC,
-            VERSION,
+            m.version,
             int(m.kind),
             m.sender,
             m.start,
@@ -97,7 +115,7 @@ def encode_message(m: Message) -> bytes:
         + m.blob
     )
     if len(out) > MAX_MESSAGE:
-        raise ValueError(f"control message of {len(out)} bytes exceeds {MAX_MESSAGE}")
+        raise InvalidArgument(f"control message of {len(out)} bytes exceeds {MAX_MESSAGE}")
     return out
 
 
@@ -108,8 +126,10 @@ def decode_message(data: bytes) -> Message:
     magic, version, kind = f[0], f[1], f[2]
     if magic != MAGIC:
         raise RemoteProtocolError("control message with a bad magic")
-    if version != VERSION:
-        raise VersionMismatch(f"control message version {version}, this build speaks {VERSION}")
+    if not MIN_VERSION <= version <= VERSION:
+        raise VersionMismatch(
+            f"control message version {version}, this build speaks {MIN_VERSION}-{VERSION}"
+        )
     try:
         k = Kind(kind)
     except ValueError:
@@ -140,4 +160,5 @@ def decode_message(data: bytes) -> Message:
         code=f[13],
         text=text,
         blob=blob,
+        version=version,
     )

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import IncompatiblePeer, RemoteProtocolError, VersionMismatch
+from ...errors import IncompatiblePeer, InvalidArgument, RemoteProtocolError, VersionMismatch
 from ...layout import DType, HeadOrder, KVLayout, MemoryOrder
 
 __all__ = [
@@ -90,7 +90,7 @@ _HEADS = {HeadOrder.NHD: 0, HeadOrder.HND: 1}
 def encode_metadata(md: AgentMetadata) -> bytes:
     lay = md.layout
     if len(md.agent_id) != 16:
-        raise ValueError("agent_id must be 16 bytes")
+        raise InvalidArgument("agent_id must be 16 bytes")
     body = bytearray(
         _FIXED.pack(
             md.agent_id,

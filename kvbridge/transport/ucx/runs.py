@@ -19,7 +19,7 @@ import numpy.typing as npt
 from ...errors import LayoutError, PageIndexError
 from ...layout import HeadOrder, KVLayout, MemoryOrder
 
-__all__ = ["CacheGeometry", "coalesce", "page_pieces", "put_runs"]
+__all__ = ["CacheGeometry", "coalesce", "page_pieces", "plan_args", "put_runs"]
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -152,3 +152,37 @@ def put_runs(
     out[:, 3] = doff
     out[:, 4] = length
     return out
+
+
+def plan_args(
+    src: CacheGeometry,
+    dst: CacheGeometry,
+    src_region_ids: npt.ArrayLike,
+    dst_region_ids: npt.ArrayLike,
+) -> dict[str, object]:
+    """The keyword arguments of the compiled engine's ``RunPlan`` (its C++
+    twin of :func:`put_runs`) for two caches with the same memory layout."""
+    if src.layout.exact_hash != dst.layout.exact_hash:
+        raise LayoutError("the put path needs two caches with the same memory layout")
+    lay = src.layout
+
+    def shape(g: CacheGeometry, ids: npt.ArrayLike) -> tuple[object, ...]:
+        return (
+            g.num_pages,
+            g.layer_bytes,
+            *lay.byte_strides(g.num_pages),
+            [int(x) for x in np.asarray(ids).reshape(-1)],
+        )
+
+    return {
+        "page_tokens": lay.page_tokens,
+        "components": lay.num_components,
+        "heads": lay.num_kv_heads,
+        "head_bytes": lay.head_bytes,
+        "hnd": lay.head_order is HeadOrder.HND and not lay.mla,
+        "kv_first": lay.order is MemoryOrder.KV_FIRST,
+        "stacked": lay.stacked,
+        "num_layers": lay.num_layers,
+        "src": shape(src, src_region_ids),
+        "dst": shape(dst, dst_region_ids),
+    }

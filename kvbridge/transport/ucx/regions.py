@@ -1,15 +1,70 @@
 """The registered memory of a UCX agent: the cache tensors (one per layer, or
-one stacked) and a staging buffer, each registered once as one region."""
+one stacked) and a staging buffer, each registered once as one region, and
+the regions' descriptions that go into the agent's metadata."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import DTypeError, ShapeError
-from ...layout import KVLayout, MemoryOrder
+import numpy as np
 
-__all__ = ["buffer_of", "cache_tensors"]
+from ...errors import DTypeError, KVBridgeError, ShapeError, ucs_error
+from ...layout import KVLayout, MemoryOrder
+from .metadata import RegionInfo, RegionKind
+
+__all__ = ["Registration", "buffer_of", "cache_tensors", "map_engine_error"]
+
+
+def map_engine_error(exc: BaseException, what: str) -> KVBridgeError:
+    """A typed error for an exception raised by the compiled engine
+    (``kvbridge._ucx.UcsError`` carries ``(status, text)``)."""
+    if isinstance(exc, KVBridgeError):
+        return exc
+    args: tuple[Any, ...] = tuple(getattr(exc, "args", ()))
+    if len(args) == 2 and isinstance(args[0], int):
+        return ucs_error(args[0], f"{what}: {args[1]}")
+    return KVBridgeError(f"{what}: {exc}")
+
+
+class Registration:
+    """The cache tensors and the staging buffer of one agent, registered with
+    its engine (``ucp_mem_map``) once, at construction."""
+
+    def __init__(self, engine: Any, layout: KVLayout, cache: Any, staging_bytes: int) -> None:
+        self.tensors, self.num_pages = cache_tensors(layout, cache)
+        regions: list[RegionInfo] = []
+        ids: list[int] = []
+        self.staging: np.ndarray | None = None
+        self.staging_id = 0
+        try:
+            for layer, t in enumerate(self.tensors):
+                addr, nbytes, _, _ = buffer_of(t)
+                rid = engine.register_region(addr, nbytes)
+                ids.append(rid)
+                kind_layer = 0 if layout.stacked else layer
+                regions.append(
+                    RegionInfo(RegionKind.CACHE, kind_layer, addr, nbytes, engine.rkey(rid))
+                )
+            if staging_bytes > 0:
+                self.staging = np.zeros(int(staging_bytes), dtype=np.uint8)
+                addr = self.staging.ctypes.data
+                self.staging_id = engine.register_region(addr, self.staging.nbytes)
+                regions.append(
+                    RegionInfo(
+                        RegionKind.STAGING,
+                        0,
+                        addr,
+                        self.staging.nbytes,
+                        engine.rkey(self.staging_id),
+                    )
+                )
+        except KVBridgeError:
+            raise
+        except Exception as e:
+            raise map_engine_error(e, "UCX memory registration") from None
+        self.cache_ids = np.array(ids, dtype=np.int64)
+        self.regions = tuple(regions)
 
 
 def buffer_of(t: Any) -> tuple[int, int, tuple[int, ...], int]:

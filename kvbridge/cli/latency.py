@@ -1,0 +1,342 @@
+"""Small-transfer latency: 4 KiB and 64 KiB put-to-landed-at-receiver over
+kvbridge UCX (UCX_TLS=tcp and tcp,sm) and kvbridge TCP, against NIXL (UCX
+backend, the same two UCX_TLS) and a raw uvloop ping-pong of the same bytes.
+
+Every configuration runs as two processes that ping-pong one buffer; a leg
+completes when the receiver knows the bytes landed, and half a round trip is
+one sample.  Side A also records the sender's own completion (kvbridge's send
+handle, NIXL's transfer state DONE: both mean flushed at the target).  All
+pairs stay up and take turns (--rounds rounds of --burst samples each, after
+--warmup), so load swings hit every row alike.  Rows show the median and the
+P99, and ratios against uvloop and NIXL over the same UCX_TLS measured in the
+same run.  ``--busy`` adds a load point with one core kept busy by a spinning
+process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import KVBridgeError, KVBridgeTimeout, PeerGone
+from .compare import spinning_core
+from .latency_peers import side_main
+
+UCX_ENV = {"tcp": {"UCX_TLS": "tcp"}, "tcp,sm": {"UCX_TLS": "tcp,sm"}}
+# NIXL set up as its documentation recommends on a small machine: no progress
+# thread (get_new_notifs / check_xfer_state progress the worker), and the
+# same endpoint error mode and TCP segments as kvbridge.
+NIXL_TUNED = {
+    "progress_thread": False,
+    "params": {"ucx_error_handling_mode": "none"},
+}
+SEG_ENV = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str
+    env: dict[str, str]
+    opts: dict[str, Any]
+    setting: str  # printed beside the row
+    tls: str = ""
+    samples: list[float] = field(default_factory=list)
+    sender: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def configs(tls_list: list[str], libs: list[str], busy_poll_us: int | list[int]) -> list[Config]:
+    polls = [busy_poll_us] if isinstance(busy_poll_us, int) else list(busy_poll_us)
+    out = []
+    if "uvloop" in libs:
+        out.append(Config("uvloop ping-pong", "uvloop", {}, {}, "asyncio streams, TCP_NODELAY"))
+    if "kvb-tcp" in libs:
+        out.append(
+            Config("kvbridge TCP", "kvb-tcp", {}, {}, "1 stream, no compression, checksums on")
+        )
+    for tls in tls_list:
+        for bp in polls if "kvb-ucx" in libs else []:
+            suffix = "" if bp == polls[0] else f" bp={bp}"
+            out.append(
+                Config(
+                    f"kvbridge UCX {tls}{suffix}",
+                    "kvb-ucx",
+                    UCX_ENV[tls],
+                    {"busy_poll_us": bp},
+                    f"progress=thread, busy_poll_us={bp}, error_mode=none",
+                    tls,
+                )
+            )
+        if "nixl" in libs:
+            out.append(
+                Config(
+                    f"NIXL {tls}",
+                    "nixl",
+                    {**UCX_ENV[tls], **SEG_ENV},
+                    NIXL_TUNED,
+                    "progress thread off, ucx_error_handling_mode=none, 256k TCP segments",
+                    tls,
+                )
+            )
+    return out
+
+
+class Pair:
+    def __init__(self, cfg: Config, size: int, count: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.cfg = cfg
+        self.conns = []
+        self.procs = []
+        opts = dict(cfg.opts)
+        if cfg.kind == "kvb-tcp":
+            opts["count"] = count
+        for role in (0, 1):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=side_main,
+                args=(child, cfg.kind, role, cfg.env, size, opts),
+                daemon=True,
+                name=f"{cfg.name} side {role}",
+            )
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def get(self, i: int, timeout: float) -> Any:
+        c, p = self.conns[i], self.procs[i]
+        end = time.monotonic() + timeout
+        while not c.poll(0.1):
+            if not p.is_alive() and not c.poll(0.1):
+                raise PeerGone(f"{p.name} exited with code {p.exitcode}")
+            if time.monotonic() > end:
+                raise KVBridgeTimeout(f"{p.name}: no answer within {timeout} s")
+        msg = c.recv()
+        if msg[0] == "error":
+            raise KVBridgeError(f"{p.name}: {msg[1]}")
+        return msg
+
+    def start(self, timeout: float) -> None:
+        a, b = self.get(0, timeout), self.get(1, timeout)
+        self.conns[0].send(b[1])
+        self.conns[1].send(a[1])
+        self.get(0, timeout)
+        self.get(1, timeout)
+
+    def burst(self, n: int, timeout: float) -> tuple[list[float], list[float]]:
+        for c in self.conns:
+            c.send(("run", n))
+        a = self.get(0, timeout)
+        self.get(1, timeout)
+        return a[1], a[2]
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("quit",))
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
+            c.close()
+
+
+def measure(
+    cfgs: list[Config], size: int, warmup: int, rounds: int, burst: int, timeout: float
+) -> None:
+    pairs: list[Pair] = []
+    try:
+        for cfg in cfgs:
+            pair = Pair(cfg, size, warmup + rounds * burst + 8)
+            try:
+                pair.start(timeout)
+                pair.burst(warmup, timeout)
+                pairs.append(pair)
+            except KVBridgeError as e:
+                cfg.error = str(e)
+                pair.close()
+        for _ in range(rounds):
+            for pair in pairs:
+                if pair.cfg.error:
+                    continue
+                try:
+                    s, snd = pair.burst(burst, timeout)
+                    pair.cfg.samples += s
+                    pair.cfg.sender += snd
+                except KVBridgeError as e:
+                    pair.cfg.error = str(e)
+    finally:
+        for pair in pairs:
+            pair.close()
+
+
+def _p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(len(s) * 0.99))]
+
+
+def format_rows(cfgs: list[Config], size: int, load: str) -> str:
+    by = {c.name: c for c in cfgs}
+    uv = by.get("uvloop ping-pong")
+    head = (
+        f"{'size':>6} {'load':<9} {'row':<24} {'median us':>9} {'P99 us':>8} {'sender us':>9} "
+        f"{'vs uvloop':>9} {'vs NIXL':>8} {'sender vs NIXL':>14}  setting"
+    )
+    lines = [head, "-" * len(head)]
+    for c in cfgs:
+        if c.error or not c.samples:
+            lines.append(f"{size:>6} {load:<9} {c.name:<24} error: {c.error or 'no samples'}")
+            continue
+        med = statistics.median(c.samples) * 1e6
+        snd = statistics.median(c.sender) * 1e6 if c.sender else float("nan")
+        nixl = by.get(f"NIXL {c.tls}") if c.tls else None
+        r_uv = f"{med / (statistics.median(uv.samples) * 1e6):.2f}x" if uv and uv.samples else "-"
+        r_nx = r_snd = "-"
+        if nixl is not None and nixl.samples and nixl is not c:
+            r_nx = f"{med / (statistics.median(nixl.samples) * 1e6):.2f}x"
+            r_snd = f"{snd / (statistics.median(nixl.sender) * 1e6):.2f}x"
+        lines.append(
+            f"{size:>6} {load:<9} {c.name:<24} {med:9.1f} {_p99(c.samples) * 1e6:8.1f} {snd:9.1f} "
+            f"{r_uv:>9} {r_nx:>8} {r_snd:>14}  {c.setting}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", default="4096,65536", help="comma list of byte sizes")
+    p.add_argument("--tls", default="tcp,tcp+sm", help="UCX_TLS settings: tcp, tcp+sm (tcp,sm)")
+    p.add_argument(
+        "--libs",
+        default="uvloop,kvb-tcp,kvb-ucx,nixl",
+        help="comma list of uvloop, kvb-tcp, kvb-ucx, nixl",
+    )
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--burst", type=int, default=25, help="samples per row per round")
+    p.add_argument(
+        "--busy-poll-us",
+        default="1000",
+        help="kvbridge UCX busy_poll_us: a comma list gives one row each (the first is the default)",
+    )
+    p.add_argument("--busy", action="store_true", help="also measure with one core kept busy")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the pieces of one small UCX put in one process",
+    )
+    p.add_argument("--timeout", type=float, default=120.0)
+
+
+def run(args: Any) -> int:
+    libs = [x for x in args.libs.split(",") if x]
+    if "nixl" in libs and importlib.util.find_spec("nixl") is None:
+        print("missing: nixl (pip install nixl); skipped")
+        libs.remove("nixl")
+    tls = [t.replace("+", ",") for t in args.tls.split(",") if t]
+    ok = True
+    loads = ["idle", "1 busy"] if args.busy else ["idle"]
+    print(f"# kvbridge-bench latency {' '.join(sys.argv[2:])}")
+    for load in loads:
+        for size in [int(s) for s in args.sizes.split(",")]:
+            cfgs = configs(tls, libs, [int(x) for x in str(args.busy_poll_us).split(",")])
+            with spinning_core(load != "idle"):
+                measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout)
+            print(format_rows(cfgs, size, load), flush=True)
+            ok = ok and all(not c.error for c in cfgs)
+    if args.breakdown:
+        for t in tls:
+            for size in [int(s) for s in args.sizes.split(",")]:
+                ctx = mp.get_context("spawn")
+                with ctx.Pool(1) as pool:  # its own process: UCX_TLS is read at start
+                    rows = pool.apply(breakdown, (t, size))
+                print(f"# where the time goes: UCX_TLS={t}, {size} bytes, one process")
+                for name, us in rows:
+                    print(f"  {name:<44} {us:8.2f} us")
+    return 0 if ok else 1
+
+
+# ---- where the time goes: one process, two agents, timed piece by piece -----------------------
+def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
+    """Median microseconds of each piece of a small put on the UCX path, in
+    one process (the receiving agent's progress thread answers)."""
+    import asyncio
+    import os
+
+    import numpy as np
+
+    os.environ["UCX_TLS"] = tls
+    from ..transport.ucx import UcxAgent
+    from ..transport.ucx.messages import Kind, Message, encode_message
+    from .latency_peers import page_layout
+
+    lay = page_layout(size)
+    out: list[tuple[str, float]] = []
+
+    def timed(name: str, fn: Any) -> None:
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        out.append((name, statistics.median(ts) * 1e6))
+
+    async def main() -> None:
+        ca = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+        cb = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+        a = UcxAgent(lay, ca, staging_bytes=0, min_put_run_bytes=0)
+        b = UcxAgent(lay, cb, staging_bytes=0, min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        bt = np.array([0], dtype=np.int64)
+        for i in range(100):
+            await peer.send(f"w{i}", bt, bt, 0, 16)
+        plan = peer.plan
+        timed("page runs in C++ (RunPlan.runs)", lambda: plan.runs(bt, bt, 0, 16, 0, 1))
+        note = encode_message(Message(Kind.DONE, a.agent_id, "r", 0, 16, 0, 1, size))
+        timed(
+            "DONE message encoding",
+            lambda: encode_message(Message(Kind.DONE, a.agent_id, "r", 0, 16, 0, 1, size)),
+        )
+        eng = a._engine  # the compiled engine: put, flush and DONE, progressed inline
+        ts, inline = [], 0
+        for _ in range(n):
+            t0 = time.perf_counter()
+            _, status, _, _ = eng.put_range(
+                peer.ep, plan, bt, bt, 0, 16, 0, 1, note, 0, a.busy_poll_us
+            )
+            ts.append(time.perf_counter() - t0)
+            inline += status == 0
+            await asyncio.sleep(0)  # let the receiving agent's loop poll, as in real use
+        out.append(
+            (f"engine put + flush + DONE ({inline / n:.0%} inline)", statistics.median(ts) * 1e6)
+        )
+        timed("handle creation", lambda: a.new_handle("r", "send", size, 30.0, armed=False))
+        loop = asyncio.get_running_loop()
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fut = loop.create_future()
+            loop.call_soon(fut.set_result, None)
+            await fut
+            ts.append(time.perf_counter() - t0)
+        out.append(("one asyncio wake-up (future via call_soon)", statistics.median(ts) * 1e6))
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            await peer.send(f"s{i}", bt, bt, 0, 16)
+            ts.append(time.perf_counter() - t0)
+        out.append(("peer.send + await, whole", statistics.median(ts) * 1e6))
+        await a.close()
+        await b.close()
+
+    asyncio.run(main())
+    return out

@@ -1,0 +1,257 @@
+"""Process bodies of ``kvbridge-bench latency``: two sides (A and B) per
+configuration, started with multiprocessing spawn, that ping-pong one buffer
+of ``size`` bytes.  Each leg completes when the receiver knows the bytes
+landed (kvbridge: its expect completed; NIXL: its notification arrived; raw
+uvloop: it read them), so half a round trip is one put-to-landed-at-receiver.
+Side A also records the sender's own completion of each leg (kvbridge: the
+send handle; NIXL: the transfer state DONE; both mean "flushed at the
+target")."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import KVBridgeError, TransferTimeout
+from ..layout import DType, KVLayout
+
+
+def page_layout(size: int) -> KVLayout:
+    """One layer, one page of ``size`` bytes (an MLA 'latent head')."""
+    return KVLayout(
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=size // 32,
+        dtype=DType.FP16,
+        page_tokens=16,
+        mla=True,
+        stacked=True,
+        name=f"page{size}",
+    )
+
+
+def side_main(
+    conn: Any, kind: str, role: int, env: dict[str, str], size: int, opts: dict[str, Any]
+) -> None:
+    os.environ.update(env)
+    try:
+        _SIDES[kind](conn, role, size, opts)
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+# ---- kvbridge UCX -----------------------------------------------------------------------
+def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    from ..transport.tcp import run
+    from ..transport.ucx import UcxAgent
+
+    lay = page_layout(size)
+
+    async def main() -> None:
+        cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+        cache[:, 1] = role + 1
+        agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
+        conn.send(("info", agent.metadata()))
+        other = conn.recv()
+        peer = await agent.connect(other) if role == 0 else None
+        conn.send(("ready",))
+        if role == 1:
+            while not agent.peers:
+                await asyncio.sleep(0.001)
+            peer = agent.peers[0]
+        assert peer is not None
+        src, dst = np.array([1]), np.array([0])
+        me, them = ("a", "b") if role == 0 else ("b", "a")
+        seq = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            n = cmd[1]
+            one_way, sender = [], []
+            for _ in range(n):
+                he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
+                if role == 0:
+                    t0 = time.perf_counter()
+                    hs = peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
+                    await hs
+                    t1 = time.perf_counter()
+                    await he
+                    one_way.append((time.perf_counter() - t0) / 2)
+                    sender.append(t1 - t0)
+                else:
+                    await he
+                    await peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
+                seq += 1
+            conn.send(("samples", one_way, sender))
+        await agent.close()
+
+    run(main())
+
+
+# ---- kvbridge TCP -----------------------------------------------------------------------
+def _kvb_tcp(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    from ..transport.tcp import BytesSink, BytesSource, TcpReceiver, TcpSender, run
+
+    count = int(opts.get("count", 4096))
+
+    async def main() -> None:
+        rx = await TcpReceiver("127.0.0.1", 0).start()
+        sinks = [BytesSink(size) for _ in range(count)]
+        me, them = ("a", "b") if role == 0 else ("b", "a")
+        expects = [rx.expect(f"{them}{i}", sinks[i], timeout=3600.0) for i in range(count)]
+        conn.send(("info", (rx.port, [h.token for h in expects])))
+        port, tokens = conn.recv()
+        tx = await TcpSender("127.0.0.1", port, streams=1, compression="off").connect()
+        conn.send(("ready",))
+        payload = BytesSource(np.full(size, role + 1, dtype=np.uint8))
+        seq = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            n = cmd[1]
+            if seq + n > count:
+                conn.send(("error", f"more than {count} samples"))
+                break
+            one_way, sender = [], []
+            for _ in range(n):
+                if role == 0:
+                    t0 = time.perf_counter()
+                    hs = tx.send(f"{me}{seq}", payload, token=tokens[seq], timeout=30.0)
+                    await hs.wait(30.0)
+                    t1 = time.perf_counter()
+                    await expects[seq].wait(30.0)
+                    one_way.append((time.perf_counter() - t0) / 2)
+                    sender.append(t1 - t0)
+                else:
+                    await expects[seq].wait(30.0)
+                    await tx.send(f"{me}{seq}", payload, token=tokens[seq], timeout=30.0).wait(30.0)
+                seq += 1
+            conn.send(("samples", one_way, sender))
+        await tx.close()
+        await rx.close()
+
+    run(main())
+
+
+# ---- raw uvloop ping-pong ---------------------------------------------------------------------
+def _uvloop(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    from ..transport.tcp import run
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = (
+            loop.create_future()
+        )
+        server = None
+        if role == 1:
+
+            async def accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                ready.set_result((r, w))
+
+            server = await asyncio.start_server(accept, "127.0.0.1", 0)
+            conn.send(("info", server.sockets[0].getsockname()[1]))
+            conn.recv()
+            conn.send(("ready",))
+            reader, writer = await ready
+        else:
+            conn.send(("info", None))
+            port = conn.recv()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            conn.send(("ready",))
+        import socket
+
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload = bytes([role + 1]) * size
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            one_way: list[float] = []
+            for _ in range(cmd[1]):
+                if role == 0:
+                    t0 = time.perf_counter()
+                    writer.write(payload)
+                    await reader.readexactly(size)
+                    one_way.append((time.perf_counter() - t0) / 2)
+                else:
+                    await reader.readexactly(size)
+                    writer.write(payload)
+            conn.send(("samples", one_way, []))
+        writer.close()
+        if server is not None:
+            server.close()
+
+    run(main())
+
+
+# ---- NIXL -------------------------------------------------------------------------------------
+def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    name = f"lat{role}"
+    agent = nixl_agent(
+        name,
+        nixl_agent_config(enable_prog_thread=bool(opts.get("progress_thread", False)), backends=[]),
+    )
+    agent.create_backend("UCX", dict(opts.get("params", {})))
+    buf = np.full(2 * size, role + 1, dtype=np.uint8)  # [0, size): landing; [size, 2 size): source
+    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    conn.send(("info", (agent.get_agent_metadata(), buf.ctypes.data)))
+    md, remote_base = conn.recv()
+    other = agent.add_remote_agent(md)
+    local = agent.get_xfer_descs(
+        np.array([[buf.ctypes.data + size, size, 0]], dtype=np.uint64), "DRAM"
+    )
+    remote = agent.get_xfer_descs(np.array([[remote_base, size, 0]], dtype=np.uint64), "DRAM")
+    handle = agent.initialize_xfer("WRITE", local, remote, other, b"x")
+    conn.send(("ready",))
+    deadline_s = 30.0
+
+    def wait_notif() -> None:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            notifs = agent.get_new_notifs()
+            if any(notifs.values()):
+                return
+        raise TransferTimeout("no NIXL notification")
+
+    def wait_done() -> None:
+        end = time.monotonic() + deadline_s
+        state = "PROC"
+        while state == "PROC" and time.monotonic() < end:
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise KVBridgeError(f"NIXL transfer state {state}")
+
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        one_way, sender = [], []
+        for _ in range(cmd[1]):
+            if role == 0:
+                t0 = time.perf_counter()
+                if agent.transfer(handle) not in ("PROC", "DONE"):
+                    raise KVBridgeError("NIXL transfer failed to post")
+                wait_done()
+                t1 = time.perf_counter()
+                wait_notif()
+                one_way.append((time.perf_counter() - t0) / 2)
+                sender.append(t1 - t0)
+            else:
+                wait_notif()
+                agent.transfer(handle)
+                wait_done()
+        conn.send(("samples", one_way, sender))
+    agent.release_xfer_handle(handle)
+
+
+_SIDES = {"kvb-ucx": _kvb_ucx, "kvb-tcp": _kvb_tcp, "uvloop": _uvloop, "nixl": _nixl}

@@ -1,0 +1,170 @@
+"""The receiving side of an agent: expected requests, parts that arrived
+before their ``expect``, and recently failed requests whose late parts are
+dropped.  A request completes when every layer of its range has landed (it
+may arrive in several layer-range parts)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import (
+    Cancelled,
+    IncompatiblePeer,
+    InvalidArgument,
+    KVBridgeError,
+    RemoteProtocolError,
+    ResourceLimit,
+)
+from .handle import TransferHandle
+from .messages import Kind, Message
+
+if TYPE_CHECKING:
+    from .peer import UcxPeer
+
+__all__ = ["Expect", "Expectations"]
+
+MAX_EARLY_REQUESTS = 65536
+MAX_EARLY_PARTS = 4096
+MAX_ABORTED = 4096
+
+
+@dataclass
+class Expect:
+    handle: TransferHandle
+    block_table: np.ndarray
+    start: int
+    end: int
+    l0: int
+    l1: int
+    peer: UcxPeer | None  # bound at expect(peer=...) or by the first part
+    landed: np.ndarray  # one flag per layer of [l0, l1)
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+
+class Expectations:
+    """``reject(peer, rid, error)`` tells a peer that its part was refused;
+    ``staged(ex, peer, req)`` starts the staged receive of a STAGE_REQ."""
+
+    def __init__(
+        self,
+        reject: Callable[[UcxPeer, str, KVBridgeError], None],
+        staged: Callable[[Expect, UcxPeer, Message], None],
+    ) -> None:
+        self._reject = reject
+        self._staged = staged
+        self._table: dict[str, Expect] = {}
+        self._early: dict[str, list[tuple[UcxPeer, Message]]] = {}
+        self._aborted: dict[str, None] = {}
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._table
+
+    def get(self, rid: str) -> Expect | None:
+        return self._table.get(rid)
+
+    def values(self) -> list[Expect]:
+        return list(self._table.values())
+
+    def add(self, ex: Expect) -> None:
+        """Start expecting; parts that came early are applied now."""
+        rid = ex.request_id
+        if rid in self._table:
+            raise InvalidArgument(f"request {rid!r} is already expected")
+        self._table[rid] = ex
+        if ex.l0 == ex.l1 or ex.start == ex.end:
+            ex.handle.finish()
+            self.drop(ex)
+            return
+        self._aborted.pop(rid, None)
+        for peer, msg in self._early.pop(rid, []):
+            self.deliver(ex, peer, msg)
+
+    def drop(self, ex: Expect) -> None:
+        rid = ex.request_id
+        if self._table.get(rid) is ex:
+            del self._table[rid]
+        if ex.handle.exception() is not None:
+            self._aborted[rid] = None
+            if len(self._aborted) > MAX_ABORTED:
+                del self._aborted[next(iter(self._aborted))]
+
+    def fail_peer(self, peer: UcxPeer, exc: KVBridgeError) -> None:
+        """Fail every expectation bound to ``peer``."""
+        for ex in list(self._table.values()):
+            if ex.peer is peer:
+                ex.handle.fail(exc)
+                self.drop(ex)
+
+    def fail_all(self, exc: KVBridgeError) -> None:
+        for ex in list(self._table.values()):
+            ex.handle.fail(exc)
+        self._table.clear()
+
+    def on_part(self, peer: UcxPeer, m: Message) -> None:
+        """A DONE or STAGE_REQ arrived from ``peer``."""
+        ex = self._table.get(m.rid)
+        if ex is not None:
+            self.deliver(ex, peer, m)
+            return
+        if m.rid in self._aborted:
+            if m.kind is Kind.STAGE_REQ:
+                self._reject(peer, m.rid, Cancelled(f"request {m.rid!r} was aborted here"))
+            return
+        early = self._early.setdefault(m.rid, [])
+        if len(self._early) > MAX_EARLY_REQUESTS or len(early) > MAX_EARLY_PARTS:
+            self._early.pop(m.rid, None)
+            self._reject(peer, m.rid, ResourceLimit("too many unexpected requests"))
+        else:
+            early.append((peer, m))
+
+    def on_abort(self, peer: UcxPeer, rid: str, exc: KVBridgeError) -> None:
+        ex = self._table.get(rid)
+        if ex is not None and ex.peer in (None, peer):
+            ex.handle.fail(exc)
+            self.drop(ex)
+        self._early.pop(rid, None)
+
+    def deliver(self, ex: Expect, peer: UcxPeer, m: Message) -> None:
+        h = ex.handle
+        if h.done():
+            return
+        if ex.peer is None:
+            ex.peer = peer
+        elif ex.peer is not peer:
+            self._reject(
+                peer, m.rid, IncompatiblePeer(f"request {m.rid!r} is expected from another peer")
+            )
+            return
+        if m.start != ex.start or m.end != ex.end or not ex.l0 <= m.l0 <= m.l1 <= ex.l1:
+            err = RemoteProtocolError(
+                f"{m.rid!r}: peer sent tokens [{m.start}, {m.end}) layers [{m.l0}, {m.l1}), "
+                f"expected tokens [{ex.start}, {ex.end}) layers [{ex.l0}, {ex.l1})"
+            )
+            h.fail(err)
+            self.drop(ex)
+            self._reject(
+                peer, m.rid, IncompatiblePeer(str(err))
+            )  # INCOMPATIBLE_LAYOUT at the sender
+            return
+        if m.kind is Kind.DONE:
+            h.stats.path = h.stats.path or "put"
+            h.stats.bytes += m.nbytes
+            self.landed(ex, m.l0, m.l1)
+        elif m.kind is Kind.STAGE_REQ:
+            h.stats.path = "staging"
+            self._staged(ex, peer, m)
+
+    def landed(self, ex: Expect, l0: int, l1: int) -> None:
+        """Layers ``[l0, l1)`` of ``ex`` are in the cache."""
+        ex.landed[l0 - ex.l0 : l1 - ex.l0] = True
+        ex.handle.stats.layers_done = int(ex.landed.sum())
+        if ex.landed.all():
+            ex.handle.finish()
+            self.drop(ex)

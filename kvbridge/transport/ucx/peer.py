@@ -1,0 +1,243 @@
+"""A connected remote agent, and the sending side of a transfer: the put
+path (same memory layout: coalesced one-sided puts, then the DONE
+notification) or the staging path (pack, put, unpack)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ...errors import Cancelled, KVBridgeError, LayoutError, code_for_error
+from ...layout import KVLayout
+from .handle import TransferHandle
+from .messages import Kind, Message, encode_message
+from .metadata import AgentMetadata, RegionKind
+from .runs import CacheGeometry
+
+if TYPE_CHECKING:
+    from .staging import Staging
+
+__all__ = ["PeerHost", "UcxPeer"]
+
+
+class PeerHost(Protocol):
+    """What a peer needs from its agent."""
+
+    agent_id: bytes
+    layout: KVLayout
+    geometry: CacheGeometry
+    timeout: float
+    min_put_run_bytes: int
+    staging: Staging
+    token_bytes: int  # of one token in one layer (layout.token_bytes_per_layer)
+
+    @property
+    def cache_region_ids(self) -> np.ndarray: ...
+
+    def check_open(self) -> None: ...
+
+    def new_handle(
+        self, rid: str, direction: str, total: int, timeout: float, *, armed: bool = True
+    ) -> TransferHandle: ...
+
+    def put_range(
+        self,
+        peer: UcxPeer,
+        block_table: np.ndarray,
+        remote_block_table: np.ndarray,
+        start: int,
+        end: int,
+        l0: int,
+        l1: int,
+        notify: bytes,
+        min_mean_run: int,
+    ) -> tuple[int, int, int] | None: ...
+
+    def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
+
+    def expect(
+        self,
+        request_id: str,
+        block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        timeout: float | None = None,
+        peer: UcxPeer | None = None,
+    ) -> TransferHandle: ...
+
+    async def close_peer(self, peer: UcxPeer) -> None: ...
+
+    def post_message(
+        self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
+    ) -> None: ...
+
+
+def _table(bt: Any) -> np.ndarray:
+    return np.ascontiguousarray(bt, dtype=np.int64).reshape(-1)
+
+
+class UcxPeer:
+    """A connected remote agent.  Create with :meth:`UcxAgent.connect`."""
+
+    def __init__(self, host: PeerHost, md: AgentMetadata, ep: int, same_layout: bool) -> None:
+        self._host = host
+        self.metadata = md
+        self.ep = ep
+        self.same_layout = same_layout
+        self.name = md.agent_id.hex()
+        self.error: KVBridgeError | None = None
+        self.last_heard = time.monotonic()
+        self.geometry = CacheGeometry(md.layout, md.num_pages)
+        regions = list(md.regions)
+        self.cache_region_ids = np.array(
+            [i for i, r in enumerate(regions) if r.kind is RegionKind.CACHE], dtype=np.int64
+        )
+        self.staging_index = md.staging_region()
+        self._sends: dict[int, TransferHandle] = {}
+        self.plan: Any = None  # the engine's RunPlan to this peer (same layout only)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.metadata.layout
+
+    @property
+    def agent_id(self) -> bytes:
+        return self.metadata.agent_id
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self._host.check_open()
+
+    # ---- the user's API --------------------------------------------------------------
+    def send(
+        self,
+        request_id: str,
+        block_table: Any,
+        remote_block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        timeout: float | None = None,
+        path: str | None = None,
+    ) -> TransferHandle:
+        """Send tokens ``[start, end)`` of layers ``layers`` (all when None) from
+        our pages ``block_table`` into the peer's pages ``remote_block_table``.
+        ``path`` forces "put" or "staging"; by default the put path is taken
+        when both layouts are the same and the runs are not tiny."""
+        self._check()
+        host = self._host
+        lay = host.layout
+        rid = str(request_id)
+        l0, l1 = lay.layer_range(layers)
+        if not 0 <= start <= end:
+            raise LayoutError(f"bad token range [{start}, {end})")
+        deadline = timeout or host.timeout
+        if self.same_layout and path != "staging":
+            staging = host.staging
+            can_stage = (
+                path != "put"
+                and staging.usable
+                and self.staging_index is not None
+                and staging.pack_module() is not None
+            )
+            nbytes = (l1 - l0) * (end - start) * host.token_bytes
+            notify = encode_message(
+                Message(Kind.DONE, host.agent_id, rid, start, end, l0, l1, nbytes)
+            )
+            posted = host.put_range(
+                self,
+                _table(block_table),
+                _table(remote_block_table),
+                start,
+                end,
+                l0,
+                l1,
+                notify,
+                host.min_put_run_bytes if can_stage else 0,
+            )
+            if posted is not None:  # else the runs are tiny: staged instead
+                op, status, nruns = posted
+                h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
+                h.owner = self
+                h.stats.path = "put"
+                h.stats.runs = nruns
+                h.stats.bytes = nbytes
+                host.adopt_put(self, h, op, status)
+                return h
+        elif path == "put":
+            raise LayoutError("the put path needs both caches to have the same memory layout")
+        staging = host.staging
+        staging.require(self)
+        h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1)), deadline)
+        h.owner = self
+        h.stats.path = "staging"
+        self.track(h)
+        staging.start_send(self, h, block_table, start, end, l0, l1)
+        return h
+
+    def expect(
+        self,
+        request_id: str,
+        block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> TransferHandle:
+        """Expect ``request_id`` from this peer (fails with PeerGone if it dies)."""
+        self._check()
+        return self._host.expect(
+            request_id, block_table, start, end, layers, timeout=timeout, peer=self
+        )
+
+    def abort(self, request_id: str, error: KVBridgeError | None = None) -> None:
+        """Abort ``request_id`` at the peer (its expect fails with the error
+        that ``error``'s ABORT code maps to: ``TransferAborted`` for a
+        ``Cancelled``, the default) and fail our sends of it here, also when
+        none is in flight: a layer-wise sender whose remaining layers will
+        never come tells the receiver so."""
+        self._check()
+        rid = str(request_id)
+        exc = error if error is not None else Cancelled(f"request {rid!r} aborted by the sender")
+        self.fail_sends(exc, rid)
+        msg = Message(Kind.ABORT, self._host.agent_id, rid, code=code_for_error(exc), text=str(exc))
+        self._host.post_message(self, msg)
+
+    async def close(self) -> None:
+        """Say goodbye and release the endpoint."""
+        await self._host.close_peer(self)
+
+    # ---- used by the agent ----------------------------------------------------------------
+    def track(self, h: TransferHandle) -> None:
+        """A send of ours to this peer is in flight."""
+        self._sends[id(h)] = h
+
+    def untrack(self, h: TransferHandle) -> None:
+        self._sends.pop(id(h), None)
+
+    def sends_for(self, rid: str) -> list[TransferHandle]:
+        return [h for h in self._sends.values() if h.request_id == rid]
+
+    def fail_sends(self, exc: KVBridgeError, rid: str | None = None) -> None:
+        """Fail our sends to this peer (of ``rid``, or all) and stop their tasks."""
+        for h in list(self._sends.values()):
+            if rid is not None and h.request_id != rid:
+                continue
+            h.fail(exc)
+            if h.task is not None:
+                h.task.cancel()
+            self._sends.pop(id(h), None)
+
+    def gone(self, exc: KVBridgeError) -> None:
+        """The peer is gone (or closed): remember why and fail our sends."""
+        if self.error is None:
+            self.error = exc
+        self.fail_sends(exc)

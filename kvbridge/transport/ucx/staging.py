@@ -1,0 +1,312 @@
+"""The staging path: a request whose layouts differ (or whose runs are tiny)
+is packed into the sender's registered staging buffer, put into the
+receiver's staging buffer slot by slot, and unpacked there (docs/ucx.md).
+
+Pack and unpack run on a worker thread (``staging_threads`` of them), never
+on the event loop, so the loop and UCX progress go on while a chunk is being
+packed.  A slot is released only after the thread that used it returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
+
+from ...errors import KVBridgeError, RemoteProtocolError, Unavailable
+from ...layout import KVLayout
+from .expect import Expect
+from .handle import TransferHandle
+from .messages import Kind, Message, encode_message
+
+if TYPE_CHECKING:
+    from .peer import UcxPeer
+
+__all__ = ["Staging", "StagingHost"]
+
+T = TypeVar("T")
+
+_NP_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "uint16"}
+
+
+def typed_view(layout: KVLayout, t: Any) -> Any:
+    """A view of a cache tensor with the element type the pack core checks
+    (the agent itself accepts any array of the right item size)."""
+    if isinstance(t, np.ndarray):
+        want = np.dtype(_NP_DTYPES.get(layout.dtype.value, "uint8"))
+        return t if t.dtype == want else t.view(want)
+    return t
+
+
+class StagingHost(Protocol):
+    """What the staging path needs from its agent."""
+
+    agent_id: bytes
+    timeout: float
+
+    def post_message(self, peer: UcxPeer, msg: Message) -> None: ...
+
+    async def put_and_wait(
+        self, peer: UcxPeer, runs: np.ndarray, notify: bytes, timeout: float
+    ) -> None: ...
+
+    def abort(self, h: TransferHandle, exc: KVBridgeError) -> None: ...
+
+    def landed(self, ex: Expect, l0: int, l1: int) -> None: ...
+
+
+class Staging:
+    def __init__(
+        self,
+        host: StagingHost,
+        layout: KVLayout,
+        cache: Any,
+        tensors: list[Any],
+        buffer: np.ndarray | None,
+        region_id: int,
+        slots: int,
+        threads: int,
+        packer: Any,
+    ) -> None:
+        self._host = host
+        self._layout = layout
+        self._cache = cache
+        self._tensors = tensors
+        self.buffer = buffer
+        self.region_id = region_id
+        nslots = max(1, int(slots)) if buffer is not None else 0
+        self.slot_bytes = (buffer.nbytes // nslots) if buffer is not None and nslots else 0
+        self._offsets = [i * self.slot_bytes for i in range(nslots)]
+        self._slots: asyncio.Queue[int] | None = None
+        self._chunks: dict[tuple[bytes, str, int], asyncio.Queue[Message]] = {}
+        self._packer = packer
+        self._pkv: Any = None
+        self._threads = max(1, int(threads))
+        self._pool: ThreadPoolExecutor | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    # ---- setup ------------------------------------------------------------------
+    def bind(self) -> None:
+        """Create the slot queue (on the agent's loop)."""
+        self._slots = asyncio.Queue()
+        for off in self._offsets:
+            self._slots.put_nowait(off)
+
+    @property
+    def usable(self) -> bool:
+        return self.buffer is not None
+
+    def pack_module(self) -> Any:
+        """``packer`` if given, else :mod:`kvbridge.pack` (None when neither exists)."""
+        if self._packer is None:
+            try:
+                from ... import pack as mod
+            except ImportError:
+                return None
+            self._packer = mod
+        return self._packer
+
+    def require(self, peer: UcxPeer) -> None:
+        if self.buffer is None or peer.staging_index is None:
+            raise Unavailable("the staging path needs a staging buffer on both agents")
+        if self.pack_module() is None:
+            raise Unavailable(
+                "the staging path needs kvbridge.pack (the pack core), which is not built"
+            )
+
+    def _paged_cache(self) -> Any:
+        mod = self.pack_module()
+        if isinstance(self._cache, mod.PagedKVCache):
+            return self._cache
+        if self._pkv is None:
+            typed = [typed_view(self._layout, t) for t in self._tensors]
+            self._pkv = mod.PagedKVCache(self._layout, typed[0] if self._layout.stacked else typed)
+        return self._pkv
+
+    async def _in_thread(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on a staging thread; a cancellation waits for it to return
+        (the slot it writes must not be reused before)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kvb-staging")
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    def _spawn(self, coro: Any, h: TransferHandle | None = None) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        if h is not None:
+            h.task = task
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    # ---- messages ---------------------------------------------------------------------
+    def on_message(self, m: Message) -> None:
+        """A STAGE_READY or STAGE_CHUNK for one of our parts."""
+        q = self._chunks.get((m.sender, m.rid, m.part))
+        if q is not None:
+            q.put_nowait(m)
+
+    # ---- sending ----------------------------------------------------------------------
+    def start_send(
+        self, peer: UcxPeer, h: TransferHandle, bt: Any, start: int, end: int, l0: int, l1: int
+    ) -> None:
+        self._spawn(self._send(peer, h, bt, start, end, l0, l1), h)
+
+    async def _send(
+        self, peer: UcxPeer, h: TransferHandle, bt: Any, start: int, end: int, l0: int, l1: int
+    ) -> None:
+        host = self._host
+        pack = self.pack_module().pack
+        assert self.buffer is not None and self._slots is not None
+        assert peer.staging_index is not None
+        part = id(h) & 0xFFFFFFFFFFFF
+        key = (peer.agent_id, h.request_id, part)
+        q: asyncio.Queue[Message] = asyncio.Queue()
+        self._chunks[key] = q
+        slot = await self._slots.get()
+        try:
+            total = h.total_bytes
+            req = Message(
+                Kind.STAGE_REQ, host.agent_id, h.request_id, start, end, l0, l1, total, part
+            )
+            host.post_message(peer, req)
+            cache = self._paged_cache()
+            done = 0
+            while not h.done():
+                ready = await q.get()
+                if ready.kind is not Kind.STAGE_READY:
+                    raise RemoteProtocolError("expected STAGE_READY")
+                n = min(ready.length, self.slot_bytes, total - done)
+                if n <= 0 and total > 0:
+                    raise RemoteProtocolError("peer offered an empty staging slot")
+                out = self.buffer[slot : slot + n]
+                await self._in_thread(
+                    functools.partial(
+                        pack, cache, bt, start, end, layers=(l0, l1), out=out, offset=done, nbytes=n
+                    )
+                )
+                last = done + n >= total
+                chunk = Message(
+                    Kind.STAGE_CHUNK,
+                    host.agent_id,
+                    h.request_id,
+                    part=part,
+                    offset=done,
+                    length=n,
+                    slot=ready.slot,
+                    code=int(last),
+                )
+                runs = np.array(
+                    [[self.region_id, slot, peer.staging_index, ready.slot, n]], dtype=np.uint64
+                )
+                await host.put_and_wait(peer, runs, encode_message(chunk), host.timeout)
+                h.stats.chunks += 1
+                h.stats.runs += 1
+                done += n
+                h.stats.bytes = done
+                if last:
+                    h.finish()
+        except asyncio.CancelledError:
+            pass
+        except KVBridgeError as e:
+            err = peer.error or e
+            if h.fail(err):
+                host.abort(h, err)
+        except Exception as e:  # a pack error: typed for the caller
+            err = KVBridgeError(f"staged send of {h.request_id!r}: {e!r}")
+            if h.fail(err):
+                host.abort(h, err)
+        finally:
+            self._chunks.pop(key, None)
+            peer.untrack(h)
+            self._slots.put_nowait(slot)
+
+    # ---- receiving ----------------------------------------------------------------------
+    def start_recv(self, ex: Expect, peer: UcxPeer, req: Message) -> None:
+        self._spawn(self._recv(ex, peer, req))
+
+    async def _recv(self, ex: Expect, peer: UcxPeer, req: Message) -> None:
+        host = self._host
+        unpack = self.pack_module().unpack
+        assert self.buffer is not None and self._slots is not None
+        h = ex.handle
+        key = (peer.agent_id, req.rid, req.part)
+        q: asyncio.Queue[Message] = asyncio.Queue()
+        self._chunks[key] = q
+        slot = await self._slots.get()
+        try:
+            expected = self._layout.wire_nbytes(req.end - req.start, (req.l0, req.l1))
+            if req.nbytes != expected:
+                raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
+            cache = self._paged_cache()
+            got = 0
+            while not h.done():
+                ready = Message(
+                    Kind.STAGE_READY,
+                    host.agent_id,
+                    req.rid,
+                    part=req.part,
+                    slot=slot,
+                    length=self.slot_bytes,
+                )
+                host.post_message(peer, ready)
+                chunk = await q.get()
+                if (
+                    chunk.kind is not Kind.STAGE_CHUNK
+                    or chunk.offset != got
+                    or chunk.length > self.slot_bytes
+                ):
+                    raise RemoteProtocolError("staging chunk out of order or too large")
+                src = self.buffer[slot : slot + chunk.length]
+                await self._in_thread(
+                    functools.partial(
+                        unpack,
+                        cache,
+                        ex.block_table,
+                        req.start,
+                        req.end,
+                        src,
+                        layers=(req.l0, req.l1),
+                        offset=chunk.offset,
+                    )
+                )
+                got += chunk.length
+                h.stats.chunks += 1
+                h.stats.bytes += chunk.length
+                if chunk.code:
+                    if got != expected:
+                        raise RemoteProtocolError(
+                            f"staged part ended after {got} of {expected} bytes"
+                        )
+                    host.landed(ex, req.l0, req.l1)
+                    return
+        except asyncio.CancelledError:
+            pass
+        except KVBridgeError as e:
+            if h.fail(e):
+                host.abort(h, e)
+        except Exception as e:  # an unpack error: typed for the caller
+            err = KVBridgeError(f"staged receive of {req.rid!r}: {e!r}")
+            if h.fail(err):
+                host.abort(h, err)
+        finally:
+            self._chunks.pop(key, None)
+            self._slots.put_nowait(slot)
+
+    # ---- lifetime ------------------------------------------------------------------------
+    async def close(self) -> None:
+        for t in list(self.tasks):
+            t.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
