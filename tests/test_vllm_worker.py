@@ -54,7 +54,7 @@ class Pair:
     """A decode ``md`` listening on loopback and a prefill ``prefill-0`` that
     connects to it (the control thread connects in the background)."""
 
-    def __init__(self, **cfg: float) -> None:
+    def __init__(self, d_metrics: tuple[str, int] | None = None, **cfg: float) -> None:
         self.darr = _array(D_LAYOUT, 16, None)
         self.parr = _array(P_LAYOUT, 32, 7)
         self.dcache = PagedKVCache(D_LAYOUT, self.darr)
@@ -63,6 +63,7 @@ class Pair:
             identity="md",
             model_id=MODEL,
             listen=("127.0.0.1", 0),
+            metrics_addr=d_metrics,
             **cfg,  # type: ignore[arg-type]
         )
         self.d = ConnectorWorker(dcfg, producer=False, consumer=True, make_bridge=SyncBridge)
@@ -213,3 +214,27 @@ def test_pins_are_released_through_finished_sending(pair: Pair) -> None:
     assert pair.released == {"d8"}
     pair.d.bind(StepPlan())
     assert pair.d.results() == (set(), set(), set())  # reported once
+
+
+def test_metrics_addr_serves_the_bridges_series() -> None:
+    """``metrics_addr``: the decode's bridge serves its kvbridge:* series."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    pair = Pair(d_metrics=("127.0.0.1", port), recv_timeout_s=5.0, idle_wait_s=0.001)
+    try:
+        pair.step_d(StepPlan(recvs=[RecvPlan("d9", "t9", "prefill-0", D_TABLE, 0, 30)]))
+        pair.wait(lambda: "t9" in pair.tickets, "the ticket reaches the prefill")
+        pair.step_p(StepPlan(sends=[SendPlan("p9", "t9", ("md",), P_TABLE, 30)]), forward=True)
+        pair.step_p(StepPlan(finished_sends={"p9": FinishedSend("t9", hold=True, aborted=False)}))
+        pair.wait(lambda: "d9" in pair.received, "the transfer ends")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = f'kvbridge:rx_bytes_total{{bridge="md",model_name="{MODEL}",path="tcp"}} '
+        line = next(ln for ln in text.splitlines() if ln.startswith(want))
+        assert float(line.split()[-1]) == 30 * P_LAYOUT.bytes_per_token
+    finally:
+        pair.close()

@@ -12,7 +12,7 @@ Every key is optional (docs/vllm.md lists them with their defaults)::
      "psk": "hex", "streams": 4,
      "recv_timeout_s": 60, "ticket_timeout_s": 30, "send_timeout_s": 60,
      "lease_s": 30, "connect_timeout_s": 10, "reconnect_timeout_s": 5,
-     "layerwise": true, "metrics_port": null,
+     "layerwise": true, "metrics_addr": null,  # "host:port": the bridge's own /metrics
      "idle_wait_s": 0.002}                 # an engine that only waits for KV steps this slowly
 """
 
@@ -84,7 +84,7 @@ class ConnectorConfig:
     connect_timeout_s: float = 10.0
     reconnect_timeout_s: float = 5.0
     layerwise: bool = True
-    metrics_port: int | None = None
+    metrics_addr: tuple[str, int] | None = None
     idle_wait_s: float = 0.002
 
     @classmethod
@@ -122,9 +122,7 @@ class ConnectorConfig:
         streams = d.get("streams", 4)
         if not isinstance(streams, int) or not 1 <= streams <= 64:
             raise InvalidArgument("kv_connector_extra_config['streams'] must be in [1, 64]")
-        mport = d.get("metrics_port")
-        if mport is not None and (not isinstance(mport, int) or not 0 <= mport <= 65535):
-            raise InvalidArgument("kv_connector_extra_config['metrics_port'] must be a port")
+        maddr = parse_addr(d["metrics_addr"], "metrics_addr") if d.get("metrics_addr") else None
         return cls(
             identity=identity,
             model_id=str(model_id),
@@ -141,5 +139,5 @@ class ConnectorConfig:
             reconnect_timeout_s=_seconds(d, "reconnect_timeout_s", 5.0),
             layerwise=bool(d.get("layerwise", True)),
             idle_wait_s=_seconds(d, "idle_wait_s", 0.002),
-            metrics_port=mport,
+            metrics_addr=maddr,
         )

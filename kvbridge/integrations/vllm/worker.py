@@ -207,6 +207,7 @@ class ConnectorWorker:
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self.counters = TransferCounters()
+        self.metrics: Any = None
 
     # ---- setup -------------------------------------------------------------------------
     def register(self, cache: Any, layer_names: Iterable[str], block_ratio: int) -> None:
@@ -218,6 +219,15 @@ class ConnectorWorker:
         self.num_layers = len(names)
         self._block_ratio = block_ratio
         cfg = self.cfg
+        kw: dict[str, Any] = {}
+        if cfg.metrics_addr is not None:
+            # the bridge's own series (kvbridge:*, docs/metrics.md) on an endpoint of its
+            # own; vLLM's /metrics carries the connector's vllm:kvbridge_* either way
+            from ...bridge.metrics import BridgeMetrics
+
+            self.metrics = BridgeMetrics()
+            self.metrics.start_http_server(cfg.metrics_addr[1], cfg.metrics_addr[0])
+            kw["metrics"] = self.metrics
         self.bridge = self._make_bridge(
             cache,
             identity=cfg.identity,
@@ -226,6 +236,7 @@ class ConnectorWorker:
             psk=cfg.psk,
             ucx=cfg.ucx and self.consumer,
             lease_timeout=cfg.lease_s,
+            **kw,
         )
         with _wide_affinity():
             # threads inherit the CPU set of the thread that starts them
@@ -252,6 +263,9 @@ class ConnectorWorker:
         if self.bridge is not None:
             self.bridge.close()
             self.bridge = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     # ---- the control thread ------------------------------------------------------------
     def _on_control(self, peer: str, frame_type: int, payload: bytes) -> None:
