@@ -23,7 +23,7 @@ $(PYTHON):
 $(STAMP): $(SOURCES) | $(PYTHON)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "ucxx-cu12"
-	$(BIN)/pip install -q --no-build-isolation -e '.[test,dev,plot]'
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,dev,plot,model]'
 	@touch $(STAMP)
 
 venv build: $(STAMP)

@@ -7,10 +7,13 @@ decode masks the transfer (P-RLD-MD).  Both end at the main decode.  P-RLD
 anomalous-traffic filter: ultra-long input, ultra-short output, the WAN too
 slow for the target, and a bounded share of recent requests.
 
-The estimate is ``base_latency + (queued_bytes + missing_bytes) / bandwidth``
-with ``missing_bytes = (input_tokens - matched_tokens) * bytes_per_token``
-and ``bandwidth`` a conservative live estimate (:class:`BandwidthEstimator`)
-fed by transfer completions.  Every decision is logged on the
+The estimate of P-MD's first token is ``prefill_s + wan_s``:
+``wan_s = base_latency + (queued_bytes + missing_bytes) / bandwidth`` with
+``missing_bytes = (input_tokens - matched_tokens) * bytes_per_token`` and
+``bandwidth`` a conservative live estimate (:class:`BandwidthEstimator`)
+fed by transfer completions; ``prefill_s`` is the prefill's time to its
+first token, work queued ahead included (:class:`PrefillEstimator`, fed by
+the prefill's own measurements).  Every decision is logged on the
 ``kvbridge.router`` logger and returned as a :class:`Decision`.
 """
 
@@ -30,6 +33,7 @@ __all__ = [
     "BandwidthEstimator",
     "Decision",
     "Pipeline",
+    "PrefillEstimator",
     "Reason",
     "Router",
     "RouterConfig",
@@ -49,6 +53,7 @@ class Reason(str, enum.Enum):
     EXCEEDS_TARGET = "wan-exceeds-target"  # P-RLD-MD: the relay masks the transfer
     ANOMALOUS = "anomalous-filter"  # P-RLD: long input, short output, share left
     FILTER_SHARE_SPENT = "filter-share-spent"  # would be filtered, but the share is used up
+    SMALL_GAIN = "relay-gain-too-small"  # P-MD: the WAN part is below min_relay_gain_s
 
 
 class BandwidthEstimator:
@@ -97,10 +102,56 @@ class BandwidthEstimator:
         return max(self.floor_bps, self.mean - self.k_sigma * math.sqrt(self.var))
 
 
+class PrefillEstimator:
+    """The prefill's time to first token for a request that computes
+    ``tokens`` tokens (its prompt less its prefill-side prefix-cache hit)
+    behind ``queued_tokens`` tokens of other requests' prefill:
+    ``(queued_requests + 1) * base_s + (queued_tokens + tokens) * token_s``.
+    ``token_s`` and ``base_s`` are exponentially weighted from observed
+    prefills (``observe``): ``token_s`` from passes of at least
+    ``min_tokens`` tokens, ``base_s`` from shorter ones."""
+
+    def __init__(
+        self,
+        prior_token_s: float = 0.002,
+        prior_base_s: float = 0.01,
+        *,
+        alpha: float = 0.3,
+        min_tokens: int = 32,
+    ) -> None:
+        if not (prior_token_s > 0 and prior_base_s >= 0 and 0 < alpha <= 1 and min_tokens >= 1):
+            raise InvalidArgument("prefill estimator parameters out of range")
+        self.token_s = float(prior_token_s)
+        self.base_s = float(prior_base_s)
+        self.alpha = alpha
+        self.min_tokens = min_tokens
+        self.samples = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """One prefill pass: ``tokens`` tokens computed in ``seconds``."""
+        if tokens < 0 or not seconds >= 0 or not math.isfinite(seconds):
+            raise InvalidArgument(f"bad prefill sample ({tokens} tokens in {seconds} s)")
+        a = self.alpha
+        if tokens >= self.min_tokens:
+            per = max(seconds - self.base_s, 0.0) / tokens
+            self.token_s += a * (per - self.token_s)
+        else:
+            self.base_s += a * (max(seconds - tokens * self.token_s, 0.0) - self.base_s)
+        self.samples += 1
+
+    def estimate(self, tokens: int, queued_tokens: int = 0, queued_requests: int = 0) -> float:
+        if tokens < 0 or queued_tokens < 0 or queued_requests < 0:
+            raise InvalidArgument("token and request counts must be >= 0")
+        return (queued_requests + 1) * self.base_s + (queued_tokens + tokens) * self.token_s
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     ttft_target_s: float = 2.0
     base_latency_s: float = 0.05  # WAN round trip + handshake, added to every estimate
+    # P-MD whatever the target when the WAN part is this short: the relay would
+    # hide too little to be worth a handoff (0: the target alone decides)
+    min_relay_gain_s: float = 0.0
     anomalous_filter: bool = False
     anomalous_min_input_tokens: int = 32768
     anomalous_max_output_tokens: int = 500  # expected output strictly below this
@@ -108,8 +159,10 @@ class RouterConfig:
     share_window: int = 1000
 
     def __post_init__(self) -> None:
-        if not self.ttft_target_s > 0 or self.base_latency_s < 0:
-            raise InvalidArgument("ttft_target_s must be > 0 and base_latency_s >= 0")
+        if not self.ttft_target_s > 0 or self.base_latency_s < 0 or self.min_relay_gain_s < 0:
+            raise InvalidArgument(
+                "ttft_target_s must be > 0, base_latency_s and min_relay_gain_s >= 0"
+            )
         if not 0 <= self.anomalous_max_share <= 1 or self.share_window < 1:
             raise InvalidArgument("anomalous_max_share in [0, 1] and share_window >= 1")
 
@@ -149,10 +202,12 @@ class Router:
         layout: KVLayout,
         config: RouterConfig | None = None,
         bandwidth: BandwidthEstimator | None = None,
+        prefill: PrefillEstimator | None = None,
     ) -> None:
         self.layout = layout
         self.config = config or RouterConfig()
         self.bandwidth = bandwidth or BandwidthEstimator()
+        self.prefill = prefill or PrefillEstimator()
         self.counts: Counter[Pipeline] = Counter()
         self._recent: deque[bool] = deque(maxlen=self.config.share_window)
 
@@ -168,13 +223,24 @@ class Router:
         expected_output_tokens: int,
         *,
         queued_bytes: int = 0,
-        prefill_s: float = 0.0,
+        prefill_s: float | None = None,
+        compute_tokens: int | None = None,
+        queued_tokens: int = 0,
+        queued_requests: int = 0,
     ) -> Decision:
         """Route one request.  ``matched_tokens``: what the main decode holds
         (the PREFIX_REPLY); ``queued_bytes``: bytes ahead of it on the WAN
-        link; ``prefill_s``: the prefill's own time to first token."""
+        link; ``prefill_s``: the prefill's own time to first token, or else
+        estimated by :attr:`prefill` for ``compute_tokens`` tokens to compute
+        behind ``queued_tokens`` / ``queued_requests`` (0 when neither is given)."""
         if not 0 <= matched_tokens <= input_tokens:
             raise InvalidArgument(f"need 0 <= matched ({matched_tokens}) <= input ({input_tokens})")
+        if prefill_s is None:
+            prefill_s = (
+                0.0
+                if compute_tokens is None
+                else self.prefill.estimate(compute_tokens, queued_tokens, queued_requests)
+            )
         if expected_output_tokens < 0 or queued_bytes < 0 or prefill_s < 0:
             raise InvalidArgument("expected output, queued bytes and prefill time must be >= 0")
         cfg = self.config
@@ -185,6 +251,8 @@ class Router:
         wan_s = cfg.base_latency_s + queue_s + nbytes / bw
         if prefill_s + wan_s <= cfg.ttft_target_s:
             pipeline, reason = Pipeline.P_MD, Reason.FITS_TARGET
+        elif wan_s < cfg.min_relay_gain_s:
+            pipeline, reason = Pipeline.P_MD, Reason.SMALL_GAIN
         elif (
             cfg.anomalous_filter
             and input_tokens >= cfg.anomalous_min_input_tokens

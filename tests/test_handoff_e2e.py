@@ -198,11 +198,27 @@ def test_main_unreachable_or_dead_relay_finishes(
     assert res.relay is not None and res.relay.state is RelayState.FINISHED
 
 
-def test_main_slow_relay_finishes_alone(decoders: tuple[ReferenceDecoder, ...]) -> None:
+def test_main_slow_relay_leaves_the_last_token_to_it(
+    decoders: tuple[ReferenceDecoder, ...],
+) -> None:
+    """The main decode is slow but alive: the relay stops short of the last
+    token and hands over (P-RLD is excluded); only with ``leave_last=False``
+    does a fast relay finish the request alone."""
+    import dataclasses
+
     sc = random_case(
-        6, params=SamplingParams(max_new_tokens=15), handoff_after=None, main_kv_delay=0.5
+        6, params=SamplingParams(max_new_tokens=15), handoff_after=None, main_kv_delay=0.2
     )
+    sc = dataclasses.replace(sc, timeouts=dataclasses.replace(FAST, capped_wait=2.0))
     res = run(sc, decoders)
+    assert res.stream.tokens == alone(decoders, sc)
+    assert res.relay is not None and res.relay.state is RelayState.SWITCHED
+    assert not res.relay.kept and len(res.relay.tokens) < 15
+    assert res.main is not None and res.main.state is MainState.FINISHED
+    old = dataclasses.replace(
+        sc, policy=dataclasses.replace(sc.policy, leave_last=False), main_kv_delay=1.5
+    )
+    res = run(old, decoders)
     assert res.stream.tokens == alone(decoders, sc)
     assert res.relay is not None and res.relay.state is RelayState.FINISHED
     assert res.main is not None and res.main.state is MainState.DROPPED

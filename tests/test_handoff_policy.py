@@ -85,3 +85,32 @@ def test_geometric_example() -> None:
     assert catch_up_rounds(640, 8, a=8.0, rho=0.0) is None  # fixed point at the threshold
     assert catch_up_rounds(640, 64, a=0.0, rho=0.0) == 1
     assert math.isclose(8.0 / 0.75, 10.666, rel_tol=1e-3)
+
+
+def test_the_dynamic_budget_covers_the_expected_wait_and_no_more() -> None:
+    from kvbridge.handoff import HandoffPolicy, RelaySide, RelayState, SamplingParams
+
+    pol = HandoffPolicy(token_budget=64, min_budget=8, eta_headroom=0.5, eta_min_extra=4)
+    assert pol.dynamic_budget(0.0, None) == 64  # unknown wait: the load's cap
+    assert pol.dynamic_budget(0.0, 10) == 19  # 10 * 1.5 + 4
+    assert pol.dynamic_budget(0.0, 0) == 4
+    assert pol.dynamic_budget(0.0, 1000) == 64  # never above the load's cap
+    assert pol.dynamic_budget(1.0, 1000) == 8  # which shrinks with the load
+    # the relay: the main decode is expected ready 0.2 s after its start, 50 ms a step
+    side = RelaySide(1, SamplingParams(0.0, max_new_tokens=100), pol)
+    side.set_eta(10.2, 0.05)
+    side.start(7, 10.0)
+    assert side.budget(10.0) == pol.dynamic_budget(0.0, 0.2 / 0.05 + 1)
+    t = 10.0
+    while side.state is RelayState.DECODING:
+        t += 0.05
+        side.on_token(7, t)
+    assert len(side.tokens) == pol.dynamic_budget(0.0, 5) == 12  # the wait, with headroom
+    assert side.state is RelayState.CAPPED
+    # at the cap it waits for READY until capped_wait past the expected time, then
+    # (and only then) keeps the request: the main decode counts as failed
+    deadline = side.next_deadline()
+    assert deadline is not None and deadline >= 10.2 + side.timeouts.capped_wait - 1e-9
+    assert side.poll(deadline - 0.01) == [] and not side.kept
+    side.poll(deadline)
+    assert side.state is RelayState.DEGRADED and side.kept

@@ -91,7 +91,10 @@ def test_node_routes_early_messages_and_rejects_garbage() -> None:
                 await a.send("b", 0x40, encode(Ready(rid, 3, 1)))
             await a.send("b", 0x40, b"\x01\x40garbage")
             await a.send("b", 0x41, encode(Ready(7, 3, 1)))  # frame type does not match
-            await asyncio.sleep(0.1)
+            for _ in range(200):  # the pump drains the 1031 messages (2 s at most)
+                if node.rejected == 2:
+                    break
+                await asyncio.sleep(0.01)
             assert node.rejected == 2
             assert node.open(0).empty()  # the oldest orphan was forgotten
             q = node.open(MAX_EARLY_REQUESTS + 4)

@@ -82,7 +82,7 @@ def _good_query() -> bytes:
         (0x60, _good_query() + b"\x00", RemoteProtocolError),  # trailing byte
         (0x60, _good_query()[:20], RemoteProtocolError),  # truncated header
         (0x60, b"\x02" + _good_query()[1:], VersionMismatch),
-        (0x60, _good_query()[:1] + b"\x01" + _good_query()[2:], RemoteProtocolError),  # flags
+        (0x60, _good_query()[:1] + b"\x02" + _good_query()[2:], RemoteProtocolError),  # flags
         # header claims 2**32-1 hashes: rejected before any allocation
         (0x60, struct.pack("<BBHIQIIII", 1, 0, 0, 4, 1, 8, 0, 0xFFFFFFFF, 0), RemoteProtocolError),
         # more hashes than full pages of the prompt
@@ -97,7 +97,11 @@ def _good_query() -> bytes:
         (0x61, struct.pack("<BBHIQQII", 1, 2, 0, 4, 1, 9, 0, 0), RemoteProtocolError),
         (0x62, struct.pack("<BBHIQQ", 1, 7, 0, 0, 1, 1), RemoteProtocolError),  # reason
         (0x62, struct.pack("<BBHIQQ", 1, 0, 0, 0, 1, 1)[:-1], RemoteProtocolError),
-        (0x63, b"", UnknownFrame),
+        (0x63, b"", RemoteProtocolError),  # PREFIX_FETCH shorter than its header
+        (0x63, struct.pack("<BBHIQQII", 1, 0, 0, 0, 1, 1, 8, 8), RemoteProtocolError),  # empty
+        (0x63, struct.pack("<BBHIQQII", 1, 1, 0, 0, 1, 1, 0, 8), RemoteProtocolError),  # reserved
+        (0x63, struct.pack("<BBHIQQII", 1, 0, 2, 0, 1, 1, 0, 8) + b"a", RemoteProtocolError),
+        (0x64, b"", UnknownFrame),
         (0x10, b"", UnknownFrame),
     ],
 )

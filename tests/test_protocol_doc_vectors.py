@@ -40,3 +40,16 @@ def test_ticket_vectors() -> None:
     )  # fmt: skip
     for t in (tcp, ucx):
         assert Ticket.decode(bytes.fromhex(_in_doc(t.encode().hex()))) == t
+
+
+def test_prefix_fetch_vector() -> None:
+    from kvbridge.cache.prefix_messages import (
+        PrefixFetch,
+        decode_prefix_message,
+        encode_prefix_message,
+    )
+
+    msg = PrefixFetch(7, 5, 32, 64, b"\x01\x02")
+    ftype, payload = encode_prefix_message(msg)
+    vec = _in_doc(payload.hex())
+    assert ftype == 0x63 and decode_prefix_message(0x63, bytes.fromhex(vec)) == msg

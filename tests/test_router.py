@@ -134,3 +134,24 @@ def test_bad_arguments_rejected(args: tuple[int, int, int]) -> None:
         router().decide("bad", *args)
     with pytest.raises(InvalidArgument):
         RouterConfig(ttft_target_s=0)
+
+
+def test_prefill_time_counts_in_the_decision() -> None:
+    from kvbridge.router import PrefillEstimator
+
+    est = PrefillEstimator(prior_token_s=0.001, prior_base_s=0.01, alpha=1.0)
+    est.observe(1000, 2.01)  # 2 ms per token measured
+    assert abs(est.token_s - 0.002) < 1e-9
+    est.observe(4, 0.05)  # a short pass: its fixed cost
+    assert abs(est.base_s - (0.05 - 4 * 0.002)) < 1e-9
+    want = 2 * est.base_s + 500 * est.token_s
+    assert abs(est.estimate(100, queued_tokens=400, queued_requests=1) - want) < 1e-9
+    r = Router(LAYOUT, RouterConfig(ttft_target_s=0.5), fixed_bw(100 * GBIT), est)
+    # the WAN alone fits the target; with the prefill queue ahead it does not
+    fast = r.decide("a", 1000, 900, 50, compute_tokens=10)
+    assert fast.pipeline is Pipeline.P_MD and fast.prefill_s == est.estimate(10)
+    slow = r.decide("b", 1000, 900, 50, compute_tokens=10, queued_tokens=400, queued_requests=2)
+    assert slow.pipeline is Pipeline.P_RLD_MD and slow.prefill_s > 0.5
+    assert r.decide("c", 1000, 900, 50, prefill_s=0.0).prefill_s == 0.0
+    with pytest.raises(InvalidArgument):
+        est.observe(-1, 1.0)

@@ -35,6 +35,9 @@ ERRATA: dict[int, tuple[str | None, str]] = {
     21: ("RemoteProtocolError", "8.1: eos_token_id in [-1, 2^31)"),
     38: ("InvalidArgument", "8.2: token ids hashed are in [0, 2^31)"),
     73: ("RemoteProtocolError", "8.1: a kind that differs from the frame type"),
+    # the document changed since the cases were written
+    80: (None, "8.2: PREFIX_QUERY flags bit 0 is FETCH (in-flight dedupe)"),
+    101: ("RemoteProtocolError", "8.2: 0x63 is PREFIX_FETCH; 24 bytes are not one"),
 }
 for _i, (_err, _rule) in ERRATA.items():
     if _err is None:  # now valid

@@ -7,6 +7,8 @@ the message.  See docs/radix-cache.md ("Wire format") for the tables.
     PREFIX_QUERY  0x60  prefill -> main decode: "how much of this prompt do you hold?"
     PREFIX_REPLY  0x61  main decode -> prefill: matched tokens + a lease on those pages
     PREFIX_CANCEL 0x62  prefill -> main decode: drop the lease (request cancelled)
+    PREFIX_FETCH  0x63  main decode -> prefill: "send me tokens [start, end) of this
+                        prompt" (in-flight dedupe: the transfer it waited for failed)
 
 The query carries 128-bit chained page hashes, not token ids: 16 bytes per
 page is ``16 / page_tokens`` bytes per token (1 B at 16-token pages, 0.25 B
@@ -26,14 +28,17 @@ from .hashing import HASH_BYTES
 
 __all__ = [
     "FRAME_PREFIX_CANCEL",
+    "FRAME_PREFIX_FETCH",
     "FRAME_PREFIX_QUERY",
     "FRAME_PREFIX_REPLY",
     "MAX_QUERY_HASHES",
     "MAX_TRANSFER_TOKEN",
     "PREFIX_FRAME_RANGE",
     "PREFIX_MSG_VERSION",
+    "QUERY_FLAG_FETCH",
     "CancelReason",
     "PrefixCancel",
+    "PrefixFetch",
     "PrefixMessage",
     "PrefixQuery",
     "PrefixReply",
@@ -46,6 +51,8 @@ PREFIX_FRAME_RANGE = range(0x60, 0x80)
 FRAME_PREFIX_QUERY = 0x60
 FRAME_PREFIX_REPLY = 0x61
 FRAME_PREFIX_CANCEL = 0x62
+FRAME_PREFIX_FETCH = 0x63
+QUERY_FLAG_FETCH = 0x01  # the prefill answers PREFIX_FETCH for this request
 PREFIX_MSG_VERSION = 1
 MAX_QUERY_HASHES = 1 << 20  # 16 MiB of hashes: 16M tokens at 16-token pages
 MAX_TRANSFER_TOKEN = 0xFFFF  # the u16 length field: room for a transfer ticket (8.3)
@@ -55,6 +62,7 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 _QUERY = struct.Struct("<BBHIQIIII")  # 32 bytes
 _REPLY = struct.Struct("<BBHIQQII")  # 32 bytes
 _CANCEL = struct.Struct("<BBHIQQ")  # 24 bytes
+_FETCH = struct.Struct("<BBHIQQII")  # 32 bytes
 
 
 class ReplyStatus(enum.IntEnum):
@@ -73,7 +81,10 @@ class CancelReason(enum.IntEnum):
 @dataclass(frozen=True)
 class PrefixQuery:
     """``hashes``: the chained hashes of the prompt's first full pages at
-    ``page_tokens`` (at most ``num_tokens // page_tokens``; fewer is allowed)."""
+    ``page_tokens`` (at most ``num_tokens // page_tokens``; fewer is allowed).
+    ``fetch`` (flags bit 0): the prefill answers PREFIX_FETCH for this
+    request while its lease lasts, so the main decode may count pages whose
+    KV is still arriving for another request as matched (in-flight dedupe)."""
 
     FRAME_TYPE: ClassVar[int] = FRAME_PREFIX_QUERY
     request_id: int
@@ -81,6 +92,7 @@ class PrefixQuery:
     page_tokens: int
     hashes: tuple[bytes, ...]
     lease_ms: int = 0  # 0: the main decode's default
+    fetch: bool = False
 
     def __post_init__(self) -> None:
         _check_uint("request_id", self.request_id, _U64)
@@ -101,7 +113,7 @@ class PrefixQuery:
     def encode(self) -> bytes:
         head = _QUERY.pack(
             PREFIX_MSG_VERSION,
-            0,
+            QUERY_FLAG_FETCH if self.fetch else 0,
             0,
             self.page_tokens,
             self.request_id,
@@ -181,7 +193,46 @@ class PrefixCancel:
         )
 
 
-PrefixMessage = PrefixQuery | PrefixReply | PrefixCancel
+@dataclass(frozen=True)
+class PrefixFetch:
+    """The main decode asks the prefill for the KV of tokens ``[start, end)``
+    of request ``request_id`` (whole pages of the main decode), sent with
+    ``transfer_token``.  It sends one when a transfer that the lease waited
+    for (in-flight dedupe) failed; only to a prefill whose query set
+    ``fetch``, and only while the lease lasts."""
+
+    FRAME_TYPE: ClassVar[int] = FRAME_PREFIX_FETCH
+    request_id: int
+    lease_id: int
+    start: int
+    end: int
+    transfer_token: bytes = b""
+
+    def __post_init__(self) -> None:
+        _check_uint("request_id", self.request_id, _U64)
+        _check_uint("lease_id", self.lease_id, _U64)
+        _check_uint("start", self.start, _U32)
+        _check_uint("end", self.end, _U32)
+        if not self.start < self.end:
+            raise InvalidArgument(f"need start < end, got [{self.start}, {self.end})")
+        if len(self.transfer_token) > MAX_TRANSFER_TOKEN:
+            raise InvalidArgument(f"transfer_token longer than {MAX_TRANSFER_TOKEN} bytes")
+
+    def encode(self) -> bytes:
+        head = _FETCH.pack(
+            PREFIX_MSG_VERSION,
+            0,
+            len(self.transfer_token),
+            0,
+            self.request_id,
+            self.lease_id,
+            self.start,
+            self.end,
+        )
+        return head + self.transfer_token
+
+
+PrefixMessage = PrefixQuery | PrefixReply | PrefixCancel | PrefixFetch
 
 
 def encode_prefix_message(msg: PrefixMessage) -> tuple[int, bytes]:
@@ -201,6 +252,8 @@ def decode_prefix_message(
         return _decode_reply(buf)
     if frame_type == FRAME_PREFIX_CANCEL:
         return _decode_cancel(buf)
+    if frame_type == FRAME_PREFIX_FETCH:
+        return _decode_fetch(buf)
     if frame_type in PREFIX_FRAME_RANGE:
         raise UnknownFrame(f"prefix message type {frame_type:#x} is reserved")
     raise UnknownFrame(f"frame type {frame_type:#x} is not a prefix message")
@@ -210,8 +263,8 @@ def _decode_query(buf: bytes) -> PrefixQuery:
     _need(buf, _QUERY.size, "PREFIX_QUERY")
     ver, flags, res0, pt, rid, ntok, lease_ms, nh, res1 = _QUERY.unpack_from(buf)
     _version(ver)
-    if flags or res0 or res1:
-        raise RemoteProtocolError("PREFIX_QUERY: reserved fields must be zero")
+    if flags & ~QUERY_FLAG_FETCH or res0 or res1:
+        raise RemoteProtocolError("PREFIX_QUERY: unknown flags or reserved fields not zero")
     if nh > MAX_QUERY_HASHES:
         raise RemoteProtocolError(f"PREFIX_QUERY: {nh} hashes exceed {MAX_QUERY_HASHES}")
     if len(buf) != _QUERY.size + nh * HASH_BYTES:
@@ -221,7 +274,7 @@ def _decode_query(buf: bytes) -> PrefixQuery:
     off = _QUERY.size
     hashes = tuple(buf[off + i * HASH_BYTES : off + (i + 1) * HASH_BYTES] for i in range(nh))
     try:
-        return PrefixQuery(rid, ntok, pt, hashes, lease_ms)
+        return PrefixQuery(rid, ntok, pt, hashes, lease_ms, bool(flags & QUERY_FLAG_FETCH))
     except InvalidArgument as e:
         raise RemoteProtocolError(f"PREFIX_QUERY: {e}") from None
 
@@ -253,6 +306,20 @@ def _decode_cancel(buf: bytes) -> PrefixCancel:
         return PrefixCancel(rid, lease, CancelReason(reason))
     except ValueError:
         raise RemoteProtocolError(f"PREFIX_CANCEL: unknown reason {reason}") from None
+
+
+def _decode_fetch(buf: bytes) -> PrefixFetch:
+    _need(buf, _FETCH.size, "PREFIX_FETCH")
+    ver, res0, tlen, res1, rid, lease, start, end = _FETCH.unpack_from(buf)
+    _version(ver)
+    if res0 or res1:
+        raise RemoteProtocolError("PREFIX_FETCH: reserved fields must be zero")
+    if len(buf) != _FETCH.size + tlen:
+        raise RemoteProtocolError(f"PREFIX_FETCH: {len(buf)} bytes with a {tlen}-byte token")
+    try:
+        return PrefixFetch(rid, lease, start, end, buf[_FETCH.size :])
+    except InvalidArgument as e:
+        raise RemoteProtocolError(f"PREFIX_FETCH: {e}") from None
 
 
 def _need(buf: bytes, n: int, what: str) -> None:

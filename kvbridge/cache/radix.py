@@ -216,6 +216,18 @@ class RadixCache:
             n = n.parent
         return Pin(node)
 
+    def pin_hash(self, page_hash: bytes) -> Pin:
+        """Pin the cached page keyed by ``page_hash`` and its ancestors;
+        :class:`StaleHandle` if no such page is cached."""
+        node = self._index.get(page_hash)
+        if node is None:
+            raise StaleHandle("no cached page has this hash")
+        return self.pin(node)
+
+    def has_hash(self, page_hash: bytes) -> bool:
+        """Whether a page keyed by ``page_hash`` is cached."""
+        return page_hash in self._index
+
     def release(self, pin: Pin) -> None:
         """Drop a pin; the pages become evictable when no other pin holds them."""
         if not pin.active:

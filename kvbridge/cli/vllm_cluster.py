@@ -399,20 +399,25 @@ class VllmCluster:
             self.stop()
             raise
 
-    def start_proxy(self, timeout: float = 30.0) -> None:
-        self._proxy_log = open(self.spec.workdir / "proxy.log", "ab")  # noqa: SIM115 (closed in stop)
-        self.proxy = subprocess.Popen(
-            self.proxy_argv(), stdout=self._proxy_log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proxy.poll() is not None:
-                raise RuntimeError("the proxy exited; see proxy.log")
-            with contextlib.suppress(OSError, urllib.error.URLError):
-                if get_json(self.url + "/health", timeout=2).get("status") == "ok":
-                    return
-            time.sleep(0.3)
-        raise RuntimeError("the proxy did not come up")
+    def start_proxy(self, timeout: float = 30.0, attempts: int = 3) -> None:
+        """Start the proxy on a port picked now (another process may have
+        taken the one picked at construction); a lost race is retried."""
+        if self._proxy_log is None:
+            self._proxy_log = open(self.spec.workdir / "proxy.log", "ab")  # noqa: SIM115 (closed in stop)
+        for _ in range(attempts):
+            self.ports["proxy"] = free_port()
+            self.proxy = subprocess.Popen(
+                self.proxy_argv(), stdout=self._proxy_log, stderr=subprocess.STDOUT
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.proxy.poll() is None:
+                with contextlib.suppress(OSError, urllib.error.URLError):
+                    if get_json(self.url + "/health", timeout=2).get("status") == "ok":
+                        return
+                time.sleep(0.3)
+            if self.proxy.poll() is None:
+                raise RuntimeError("the proxy did not come up; see proxy.log")
+        raise RuntimeError("the proxy exited; see proxy.log")
 
     def kill_prefill(self) -> None:
         self.servers["p"].kill()

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .._waits import wait_within
-from ..errors import RemoteProtocolError, TransferTimeout
+from ..errors import PeerGone, RemoteProtocolError, TransferTimeout
 from .engine import Engine
 from .main import MainSide, MainState
 from .messages import HandoffMessage, StreamTokens
@@ -30,6 +30,7 @@ from .policy import HandoffPolicy, Mode
 from .relay import RelaySide, RelayState
 from .sampling import sample
 from .stream import StreamMerge
+from .worker import EngineWorker
 
 __all__ = [
     "KVLoader",
@@ -81,6 +82,7 @@ class RelayResult:
     gaps: list[int]
     commit_at: int | None
     ready_time: float | None = None  # loop time the relay learned the main decode was ready
+    kept: bool = False  # the main decode failed (gone, silent or too late): the relay finished it
 
 
 @dataclass
@@ -113,23 +115,82 @@ def prefill_request(
     return RequestSpec(request_id, tuple(prompt), sample(logits, params, 0), params)
 
 
-async def _feed(engine: Engine, rid: int, tokens: list[int], pace: Pace) -> torch.Tensor:
-    """Feed tokens (a decode step for one, an extend for more); logits after the last."""
-    if len(tokens) == 1:
-        logits = engine.decode({rid: tokens[0]})[rid]
-    else:
-        logits = engine.extend(rid, tokens)[-1]
-    delay = pace.step_s(len(tokens))
-    await asyncio.sleep(delay)
-    return logits
+class _Compute:
+    """The engine's steps for one request: on the event loop (tests, no
+    worker: compute then ``Pace`` as a sleep) or on an :class:`EngineWorker`
+    (batched with other requests, the next token sampled there)."""
+
+    def __init__(
+        self, engine: Engine, worker: EngineWorker | None, pace: Pace, params: SamplingParams
+    ) -> None:
+        self.engine, self.worker, self.pace, self.params = engine, worker, pace, params
+        self.logits: torch.Tensor | None = None
+        self._token: tuple[int, int] | None = None  # (index, token) sampled with the step
+
+    async def feed(self, rid: int, tokens: list[int], next_index: int) -> None:
+        """Feed tokens (a decode step for one, an extend for more)."""
+        if self.worker is not None:
+            res = await self.worker.step(rid, tokens, self.params, next_index)
+            self.logits = res.logits
+            self._token = None if res.token is None else (next_index, res.token)
+            return
+        if len(tokens) == 1:
+            self.logits = self.engine.decode({rid: tokens[0]})[rid]
+        else:
+            self.logits = self.engine.extend(rid, tokens)[-1]
+        self._token = None
+        await asyncio.sleep(self.pace.step_s(len(tokens)))
+
+    def sample(self, index: int) -> int:
+        """Output token ``index`` from the logits after the last feed."""
+        if self._token is not None and self._token[0] == index:
+            return self._token[1]
+        assert self.logits is not None
+        return sample(self.logits, self.params, index)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.worker is not None:
+            return await self.worker.call(fn, *args)
+        return fn(*args)
+
+    async def free(self, rid: int) -> None:
+        try:
+            await self.call(self.engine.free, rid)
+        except PeerGone:  # the worker is closed: the engine is going away with it
+            pass
 
 
-async def _carry_out(node: HandoffNode, outs: list[Output], peer: str | None, client: str) -> None:
-    for o in outs:
-        if isinstance(o, ToClient):
-            await node.send(client, o.message)
-        elif isinstance(o, ToPeer) and peer is not None:
-            await node.send(peer, o.message)
+class _Outbox:
+    """Carries out a state machine's outputs.  A message to the other decode
+    that cannot be sent (``PeerGone``: its connections are gone) is that
+    peer's failure, not ours: the state machine hears of it once through
+    ``on_gone(now)`` and its answer is carried out too; later messages to a
+    lost peer are still tried and dropped if they fail."""
+
+    def __init__(
+        self,
+        node: HandoffNode,
+        peer: str | None,
+        client: str,
+        on_gone: Callable[[float], list[Output]],
+    ) -> None:
+        self.node, self.peer, self.client = node, peer, client
+        self.on_gone = on_gone
+        self.gone = False
+
+    async def __call__(self, outs: list[Output]) -> None:
+        pending = list(outs)
+        while pending:
+            o = pending.pop(0)
+            if isinstance(o, ToClient):
+                await self.node.send(self.client, o.message)
+            elif isinstance(o, ToPeer) and self.peer is not None:
+                try:
+                    await self.node.send(self.peer, o.message)
+                except PeerGone:
+                    if not self.gone:
+                        self.gone = True
+                        pending.extend(self.on_gone(asyncio.get_running_loop().time()))
 
 
 async def _next_message(
@@ -154,14 +215,22 @@ async def run_relay(
     kv_timeout: float = 5.0,
     load: Callable[[], float] = lambda: 0.0,
     pace: Pace | None = None,
+    worker: EngineWorker | None = None,
+    eta: Callable[[], tuple[float, float] | None] | None = None,
 ) -> RelayResult:
-    """The relay decode of one request, from the prompt KV to the switch (or the end)."""
+    """The relay decode of one request, from the prompt KV to the switch (or
+    the end).  ``worker``: run the engine's steps there (batched, off the
+    loop); ``load_kv`` then calls the engine through ``worker.call`` too.
+    ``eta()``: ``(loop time the main decode is expected to be ready, seconds
+    per relay step)`` for the dynamic token budget, or None."""
     pace = pace or Pace()
+    compute = _Compute(engine, worker, pace, spec.params)
     timeouts = timeouts or HandoffTimeouts()
     loop = asyncio.get_running_loop()
     rid = spec.request_id
     inbox = node.open(rid)
     side = RelaySide(rid, spec.params, policy, timeouts)
+    send = _Outbox(node, main, client, side.peer_gone)
     ready_time: float | None = None
     try:
         await wait_within(
@@ -171,10 +240,10 @@ async def run_relay(
                 f"request {rid}: prompt KV not on the relay after {kv_timeout} s"
             ),
         )
-        prompt_len = engine.num_tokens(rid)
         side.set_load(load())
-        await _carry_out(node, side.start(spec.first_token, loop.time()), main, client)
-        logits: torch.Tensor | None = None
+        if eta is not None and (e := eta()) is not None:
+            side.set_eta(*e)
+        await send(side.start(spec.first_token, loop.time()))
 
         async def handle(msg: HandoffMessage) -> None:
             nonlocal ready_time
@@ -182,20 +251,20 @@ async def run_relay(
             outs = side.on_message(msg, now)
             if ready_time is None and side.main_ready:
                 ready_time = now
-            await _carry_out(node, outs, main, client)
+            await send(outs)
 
+        fed = 0  # output tokens whose KV is in the engine
         while not side.done:
             while not inbox.empty():
                 await handle(inbox.get_nowait())
-            await _carry_out(node, side.poll(loop.time()), main, client)
+            await send(side.poll(loop.time()))
             if side.want_decode:
-                fed = engine.num_tokens(rid) - prompt_len
                 if fed < len(side.tokens):
-                    logits = await _feed(engine, rid, side.tokens[fed:], pace)
-                assert logits is not None
+                    await compute.feed(rid, side.tokens[fed:], side.next_index)
+                    fed = len(side.tokens)
                 side.set_load(load())
-                token = sample(logits, spec.params, side.next_index)
-                await _carry_out(node, side.on_token(token, loop.time()), main, client)
+                token = compute.sample(side.next_index)
+                await send(side.on_token(token, loop.time()))
             elif not side.done:
                 deadline = side.next_deadline()
                 wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
@@ -204,9 +273,16 @@ async def run_relay(
                     await handle(msg)
     finally:
         node.close(rid)
-        engine.free(rid)
+        await compute.free(rid)
     return RelayResult(
-        side.state, side.tokens, side.mode, side.rounds, side.gaps, side.commit_at, ready_time
+        side.state,
+        side.tokens,
+        side.mode,
+        side.rounds,
+        side.gaps,
+        side.commit_at,
+        ready_time,
+        kept=side.kept,
     )
 
 
@@ -221,10 +297,13 @@ async def run_main(
     timeouts: HandoffTimeouts | None = None,
     kv_timeout: float = 30.0,
     pace: Pace | None = None,
+    worker: EngineWorker | None = None,
 ) -> MainResult:
     """The main decode of one request: wait for the prompt KV, take the relay's
-    tokens, switch, decode to the end.  ``relay=None``: the P-MD pipeline."""
+    tokens, switch, decode to the end.  ``relay=None``: the P-MD pipeline.
+    ``worker``: as for :func:`run_relay`."""
     pace = pace or Pace()
+    compute = _Compute(engine, worker, pace, spec.params)
     timeouts = timeouts or HandoffTimeouts()
     loop = asyncio.get_running_loop()
     rid = spec.request_id
@@ -232,6 +311,7 @@ async def run_main(
     side = MainSide(
         rid, spec.params, len(spec.prompt), spec.first_token, timeouts, relay=relay is not None
     )
+    send = _Outbox(node, relay, client, side.peer_gone)
     kv: asyncio.Future[Any] = asyncio.ensure_future(load_kv(engine, spec))
     first_emit: float | None = None
     try:
@@ -242,7 +322,7 @@ async def run_main(
                 {kv, get}, timeout=kv_deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED
             )
             if get in done:
-                await _carry_out(node, side.on_message(get.result(), loop.time()), relay, client)
+                await send(side.on_message(get.result(), loop.time()))
             else:
                 get.cancel()
             if not done:
@@ -252,37 +332,33 @@ async def run_main(
         if side.done:  # the relay finished or kept the request before the KV landed
             return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
         kv.result()
-        await _carry_out(node, side.on_kv_ready(loop.time()), relay, client)
-        logits: torch.Tensor | None = None
+        await send(side.on_kv_ready(loop.time()))
         while not side.done:
             while not inbox.empty():
-                await _carry_out(
-                    node, side.on_message(inbox.get_nowait(), loop.time()), relay, client
-                )
-            await _carry_out(node, side.poll(loop.time()), relay, client)
+                await send(side.on_message(inbox.get_nowait(), loop.time()))
+            await send(side.poll(loop.time()))
             if side.done:
                 break
             pending = side.to_extend
             if pending:
-                logits = await _feed(engine, rid, pending, pace)
-                await _carry_out(node, side.on_extended(len(pending), loop.time()), relay, client)
+                await compute.feed(rid, pending, side.next_index)
+                await send(side.on_extended(len(pending), loop.time()))
             elif side.want_token:
-                assert logits is not None
-                token = sample(logits, spec.params, side.next_index)
+                token = compute.sample(side.next_index)
                 first_emit = loop.time() if first_emit is None else first_emit
-                await _carry_out(node, side.on_token(token, loop.time()), relay, client)
+                await send(side.on_token(token, loop.time()))
             else:
                 deadline = side.next_deadline()
                 wait = timeouts.relay_timeout if deadline is None else deadline - loop.time()
                 msg = await _next_message(inbox, wait)
                 if msg is not None:
-                    await _carry_out(node, side.on_message(msg, loop.time()), relay, client)
+                    await send(side.on_message(msg, loop.time()))
     finally:
         if not kv.done():
             kv.cancel()
             await asyncio.gather(kv, return_exceptions=True)
         node.close(rid)
-        engine.free(rid)
+        await compute.free(rid)
     return MainResult(side.state, side.switch_at, side.took_over, side.known, first_emit)
 
 

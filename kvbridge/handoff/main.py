@@ -64,6 +64,7 @@ class MainSide:
         self.took_over = False
         self._buffer: dict[int, Tokens] = {}
         self._heard = False
+        self.relay_lost = False  # a message to the relay could not be sent
         self._ready_deadline: float | None = None
         self._relay_deadline: float | None = None
 
@@ -101,6 +102,8 @@ class MainSide:
             return []
         if not self.relay:
             return self._take_over(0)
+        if self.relay_lost:
+            return self._take_over(len(self.known))
         self.state = MainState.HOLDING
         self._ready_deadline = now + self.timeouts.ready_retry
         self._relay_deadline = now + self.timeouts.relay_timeout
@@ -164,6 +167,15 @@ class MainSide:
         if len(self.known) == before and self.fed == len(self.known):
             out += self._progress(now)  # nothing new: answer at once
         return out
+
+    def peer_gone(self, now: float) -> list[Output]:
+        """A message to the relay could not be sent: its connections are gone.
+        Before the switch the main decode takes over with what it holds (at
+        once if it holds the prompt KV, else when the KV lands)."""
+        self.relay_lost = True
+        if self.state is MainState.HOLDING:
+            return self._take_over(len(self.known))
+        return []
 
     def poll(self, now: float) -> list[Output]:
         """Fire the deadlines that have passed."""

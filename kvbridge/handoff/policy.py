@@ -38,7 +38,12 @@ class HandoffPolicy:
     ``busy_load``: relay load (0..1) from which one-shot is chosen (free the
     relay fast); below it catch-up (smooth the stall).  ``token_budget``: the
     relay's output cap below ``busy_load``; it shrinks linearly to
-    ``min_budget`` at load 1.  ``force``: always use this mode."""
+    ``min_budget`` at load 1.  ``force``: always use this mode.
+    ``eta_headroom``, ``eta_min_extra``: the dynamic budget's margin over the
+    expected wait for the main decode (:meth:`dynamic_budget`).
+    ``leave_last``: the budget never reaches the request's last token, so a
+    request ends on the main decode unless the main decode fails (the
+    pipeline P-RLD is excluded); False lets a fast relay finish it."""
 
     threshold: int = 64
     max_rounds: int = 4
@@ -46,6 +51,9 @@ class HandoffPolicy:
     token_budget: int = 512
     min_budget: int = 32
     force: Mode | None = None
+    eta_headroom: float = 0.5
+    eta_min_extra: int = 4
+    leave_last: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or self.max_rounds < 0:
@@ -54,6 +62,8 @@ class HandoffPolicy:
             raise InvalidArgument(f"busy_load must be in [0, 1]: {self.busy_load}")
         if not 1 <= self.min_budget <= self.token_budget:
             raise InvalidArgument("need 1 <= min_budget <= token_budget")
+        if self.eta_headroom < 0 or self.eta_min_extra < 0:
+            raise InvalidArgument("eta_headroom and eta_min_extra must be >= 0")
 
     def choose(self, load: float) -> Mode:
         """The mode of a handoff that starts now, at relay load ``load``."""
@@ -70,6 +80,18 @@ class HandoffPolicy:
         return max(
             self.min_budget, int(self.min_budget + frac * (self.token_budget - self.min_budget))
         )
+
+    def dynamic_budget(self, load: float, wait_tokens: float | None) -> int:
+        """The relay's token budget for a request whose main decode is expected
+        ready after ``wait_tokens`` more relay steps (None: unknown): enough
+        to cover that wait with headroom (``wait * (1 + eta_headroom) +
+        eta_min_extra``), never more than :meth:`budget` at this load.  The
+        relay only hides the transfer: it stays small."""
+        cap = self.budget(load)
+        if wait_tokens is None:
+            return cap
+        need = math.ceil(max(wait_tokens, 0.0) * (1.0 + self.eta_headroom)) + self.eta_min_extra
+        return max(1, min(cap, need))
 
     def should_commit(self, mode: Mode, gap: int, rounds_done: int, prev_gap: int | None) -> bool:
         """Whether the next handoff message is the commit (else a catch-up round)."""

@@ -62,6 +62,12 @@ class RelaySide:
         self.commit_at: int | None = None
         self.in_flight: Tokens | None = None
         self.retries = 0
+        self.eta: float | None = None  # when the main decode is expected ready
+        self.step_s: float | None = None  # seconds per relay step, for the budget
+        # the main decode failed (gone, silent or too late): the relay keeps the
+        # request to its end (False again if the main decode switches after all)
+        self.kept = False
+        self.peer_lost = False  # a message to the main decode could not be sent
         self._round_deadline: float | None = None
         self._cap_deadline: float | None = None
 
@@ -89,12 +95,35 @@ class RelaySide:
         """The relay's live load (0..1), read by the policy."""
         self.load = load
 
+    def set_eta(self, eta: float, step_s: float) -> None:
+        """The main decode is expected ready at ``eta`` (same clock as ``now``)
+        and the relay makes a token every ``step_s``: the budget covers that
+        wait (:meth:`HandoffPolicy.dynamic_budget`), and at the cap the relay
+        waits for READY until ``capped_wait`` past ``eta``."""
+        if not step_s > 0:
+            raise InvalidArgument(f"step_s must be positive, got {step_s}")
+        self.eta, self.step_s = eta, step_s
+
+    def budget(self, now: float) -> int:
+        """The token budget now (live load, expected wait); below the last
+        token with ``policy.leave_last``: only a failed main decode lets the
+        relay finish a request."""
+        if self.eta is None or self.step_s is None:
+            b = self.policy.budget(self.load)
+        else:
+            wait = (self.eta - now) / self.step_s + len(self.tokens)
+            b = self.policy.dynamic_budget(self.load, wait)
+        if self.policy.leave_last and self.params.max_new_tokens > 1:
+            b = min(b, self.params.max_new_tokens - 1)
+        return b
+
     # ---- events ----------------------------------------------------------------
     def start(self, first_token: int, now: float) -> list[Output]:
         """The prompt KV has landed with the first output token (index 0)."""
-        if self.state is not RelayState.IDLE:
+        if self.state is RelayState.IDLE:
+            self.state = RelayState.DECODING
+        elif self.state is not RelayState.DEGRADED or self.tokens:
             raise InvalidArgument("relay request already started")
-        self.state = RelayState.DECODING
         return self._append(first_token, now)
 
     def on_token(self, token: int, now: float) -> list[Output]:
@@ -118,7 +147,9 @@ class RelaySide:
         self.acked = max(self.acked, min(msg.held, len(self.tokens)))
         if isinstance(msg, Ack) and msg.switched:
             # The main decode emits from switch_at on: after our commit, or on its
-            # own after it took us for dead.  Either way we stop.
+            # own after it took us for dead.  Either way we stop, and the request
+            # ends on the main decode (even if we had taken it for failed).
+            self.kept = False
             self._stop(RelayState.SWITCHED)
             return []
         if self.state is RelayState.DEGRADED:
@@ -142,6 +173,21 @@ class RelaySide:
             and self.state in (RelayState.DECODING, RelayState.CAPPED)
         ):
             return self._hand_over(now)
+        return []
+
+    def peer_gone(self, now: float) -> list[Output]:
+        """A message to the main decode could not be sent: its connections are
+        gone.  That is the main decode's failure, not the relay's: before the
+        switch the relay decodes to the end (DEGRADED) and keeps the request.
+        The DONE(KEPT) it returns is for a main decode that comes back."""
+        self.peer_lost = True
+        if self.state in (
+            RelayState.IDLE,
+            RelayState.DECODING,
+            RelayState.CAPPED,
+            RelayState.COMMITTING,
+        ):
+            return self._degrade()
         return []
 
     def poll(self, now: float) -> list[Output]:
@@ -178,12 +224,13 @@ class RelaySide:
             self._stop(RelayState.FINISHED)
             out.append(ToPeer(Done(self.request_id, DoneReason.FINISHED, len(self.tokens))))
             return out
-        if self.state is RelayState.DECODING and len(self.tokens) >= self.policy.budget(self.load):
+        if self.state is RelayState.DECODING and len(self.tokens) >= self.budget(now):
             self.state = RelayState.CAPPED
             if self.main_ready and self.in_flight is None:
                 out += self._hand_over(now)
             elif not self.main_ready:
-                self._cap_deadline = now + self.timeouts.capped_wait
+                start = now if self.eta is None else max(now, self.eta)
+                self._cap_deadline = start + self.timeouts.capped_wait
         return out
 
     def _hand_over(self, now: float) -> list[Output]:
@@ -213,6 +260,7 @@ class RelaySide:
         return [ToPeer(msg)]
 
     def _degrade(self) -> list[Output]:
+        self.kept = True
         self._stop(RelayState.DEGRADED)
         return [ToPeer(Done(self.request_id, DoneReason.KEPT, len(self.tokens)))]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -123,6 +124,7 @@ class ReferenceDecoder:
         device: str | torch.device = "cpu",
         weight_dtype: torch.dtype = torch.float32,
         allocator: PageAllocator | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         if layout.mla or layout.stacked:
             raise LayoutError("the reference decoder needs a per-layer K/V layout (not MLA)")
@@ -137,11 +139,11 @@ class ReferenceDecoder:
         self.config = config
         self.layout = layout
         self.device = torch.device(device)
-        self.dtype = weight_dtype
+        self.dtype = weight_dtype if weights is None else weights["embed"].dtype
         # An engine with a prefix cache shares one allocator with it
         # (kvbridge.cache.RadixCache); anything with alloc(n) / free(pages).
         self.num_pages = num_pages
-        self.allocator = allocator if allocator is not None else PageAllocator(num_pages)
+        self.allocator: Any = allocator if allocator is not None else PageAllocator(num_pages)
         self.kv_cache: list[torch.Tensor] = [
             torch.zeros(
                 layout.layer_shape(num_pages), dtype=_TORCH_DTYPES[layout.dtype], device=self.device
@@ -149,7 +151,14 @@ class ReferenceDecoder:
             for _ in range(layout.num_layers)
         ]
         self._requests: dict[int, _Request] = {}
-        self._init_weights()
+        if weights is None:
+            self._init_weights()
+        else:
+            self._load_weights(weights)
+        c = config
+        self._inv_freq = 1.0 / (
+            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        )
 
     # ---- weights -------------------------------------------------------------
     def _init_weights(self) -> None:
@@ -186,19 +195,48 @@ class ReferenceDecoder:
         ]
         self.final_norm = norm(h)
         self.lm_head = w(h, h, c.vocab_size, scale=4.0)
-        inv = 1.0 / (
-            c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+
+    def _load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Real weights (``kvbridge.reference.model_file``): ``embed [vocab,
+        hidden]``, ``layers.{i}.{attn_norm, wq, wk, wv, wo, mlp_norm, w_gate,
+        w_up, w_down}`` as ``[in, out]``, ``final_norm``, ``lm_head [hidden,
+        vocab]``; used as given (no copy on the decoder's device)."""
+        c = self.config
+        h, qd, kd, i = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.intermediate_size,
         )
-        self._inv_freq = inv
+        shapes = {"attn_norm": (h,), "wq": (h, qd), "wk": (h, kd), "wv": (h, kd)}
+        shapes |= {"wo": (qd, h), "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i)}
+        shapes["w_down"] = (i, h)
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            t = weights.get(name)
+            if t is None:
+                raise LayoutError(f"weights lack {name!r}")
+            if tuple(t.shape) != shape:
+                raise LayoutError(f"weight {name!r} has shape {tuple(t.shape)}, want {shape}")
+            return t.to(self.device, self.dtype)
+
+        self.embed = get("embed", (c.vocab_size, h))
+        self.layers = [
+            _Layer(**{k: get(f"layers.{li}.{k}", shp) for k, shp in shapes.items()})
+            for li in range(c.num_layers)
+        ]
+        self.final_norm = get("final_norm", (h,))
+        self.lm_head = get("lm_head", (h, c.vocab_size))
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [n, heads, dim] by positions ``pos`` [n] (half-split pairs)."""
         ang = pos.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        cos = torch.cos(ang).to(x.dtype).to(x.device)[:, None, :]
-        sin = torch.sin(ang).to(x.dtype).to(x.device)[:, None, :]
+        cos = torch.cos(ang).float().to(x.device)[:, None, :]
+        sin = torch.sin(ang).float().to(x.device)[:, None, :]
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
     # ---- requests --------------------------------------------------------------
     def allocate(self, request_id: int) -> None:
@@ -226,6 +264,16 @@ class ReferenceDecoder:
         req.block_table.extend(int(p) for p in block_table)
         req.external = len(req.block_table)
         req.tokens.extend(int(t) for t in token_ids)
+
+    def give_pages(self, request_id: int, n_pages: int) -> None:
+        """The request's first ``n_pages`` pages now belong to the caller (a
+        prefix cache adopted them): :meth:`free` leaves them alone."""
+        req = self._req(request_id)
+        if not 0 <= n_pages <= len(req.block_table):
+            raise InvalidArgument(
+                f"request {request_id} has {len(req.block_table)} pages, not {n_pages}"
+            )
+        req.external = max(req.external, n_pages)
 
     def has_request(self, request_id: int) -> bool:
         return request_id in self._requests
@@ -285,21 +333,23 @@ class ReferenceDecoder:
         for rid in batch:
             if self._req(rid).tokens:
                 raise InvalidArgument(f"request {rid} is not empty; use extend")
-        return {rid: out[-1] for rid, out in self.forward(batch).items()}
+        return {rid: out[-1] for rid, out in self.forward(batch, last_only=True).items()}
 
     def decode(self, batch: Mapping[int, int]) -> dict[int, torch.Tensor]:
         """One decode step: one token per request; the logits after each."""
-        return {
-            rid: out[0] for rid, out in self.forward({r: [t] for r, t in batch.items()}).items()
-        }
+        fed = {r: [t] for r, t in batch.items()}
+        return {rid: out[0] for rid, out in self.forward(fed, last_only=True).items()}
 
     def extend(self, request_id: int, token_ids: Sequence[int]) -> torch.Tensor:
         """Append ``token_ids`` in one forward pass; logits ``[n, vocab]`` of each."""
         return self.forward({request_id: token_ids})[request_id]
 
     @torch.inference_mode()
-    def forward(self, batch: Mapping[int, Sequence[int]]) -> dict[int, torch.Tensor]:
-        """Append tokens to several requests in one pass; logits of every new token."""
+    def forward(
+        self, batch: Mapping[int, Sequence[int]], *, last_only: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Append tokens to several requests in one pass; logits of every new
+        token (``[n, vocab]``), or with ``last_only`` of the last one (``[1, vocab]``)."""
         segs: list[tuple[int, _Request, int, int]] = []  # rid, req, first position, count
         flat: list[int] = []
         for rid, toks in batch.items():
@@ -321,44 +371,72 @@ class ReferenceDecoder:
                 del req.block_table[before:]
             raise
         c = self.config
+        cd = self.dtype  # the matmuls run in the weights' dtype, the residual in fp32
         pos = torch.cat([torch.arange(p0, p0 + n) for _, _, p0, n in segs])
-        x = self.embed[torch.as_tensor(flat, device=self.device)]
+        x = self.embed[torch.as_tensor(flat, device=self.device)].float()
         num_pages = self.num_pages
         slots = [
             slot_index(self.layout, r.block_table, p0, p0 + n, num_pages) for _, r, p0, n in segs
         ]
-        ctx = [slot_index(self.layout, r.block_table, 0, p0 + n, num_pages) for _, r, p0, n in segs]
-        group = c.num_heads // c.num_kv_heads
+        pt = self.layout.page_tokens
+        ctx = [
+            torch.as_tensor(r.block_table[: -(-(p0 + n) // pt)], dtype=torch.long)
+            for _, r, p0, n in segs
+        ]
+        masks = [
+            None
+            if n == 1
+            else (
+                torch.arange(p0 + n, device=self.device)[None, :]
+                <= torch.arange(p0, p0 + n, device=self.device)[:, None]
+            )
+            for _, _, p0, n in segs
+        ]
+        kvh, hd = c.num_kv_heads, c.head_dim
+        group = c.num_heads // kvh
         scale = 1.0 / math.sqrt(c.head_dim)
         for li, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.attn_norm, c.rms_eps)
-            q = self._rope((h @ layer.wq).view(-1, c.num_heads, c.head_dim), pos)
-            k = self._rope((h @ layer.wk).view(-1, c.num_kv_heads, c.head_dim), pos)
-            v = (h @ layer.wv).view(-1, c.num_kv_heads, c.head_dim)
+            h = _rms_norm(x, layer.attn_norm, c.rms_eps).to(cd)
+            q = self._rope((h @ layer.wq).view(-1, c.num_heads, hd), pos)
+            k = self._rope((h @ layer.wk).view(-1, kvh, hd), pos)
+            v = (h @ layer.wv).view(-1, kvh, hd)
             kc, vc = component_views(self.layout, self.kv_cache[li])
             outs = []
             off = 0
-            for (_, _, p0, n), (pg, sl), (cpg, csl) in zip(segs, slots, ctx, strict=True):
+            for (_, _, p0, n), (pg, sl), pages, mask in zip(segs, slots, ctx, masks, strict=True):
                 kc[pg, sl] = k[off : off + n].to(kc.dtype)
                 vc[pg, sl] = v[off : off + n].to(vc.dtype)
-                keys = kc[cpg, csl].to(self.dtype).repeat_interleave(group, dim=1)  # [T, H, D]
-                vals = vc[cpg, csl].to(self.dtype).repeat_interleave(group, dim=1)
-                qs = q[off : off + n].transpose(0, 1)  # [H, n, D]
-                scores = (qs @ keys.permute(1, 2, 0)) * scale  # [H, n, T]
-                qpos = torch.arange(p0, p0 + n, device=self.device)[:, None]
-                kpos = torch.arange(p0 + n, device=self.device)[None, :]
-                scores = scores.masked_fill(kpos > qpos, -math.inf)
-                att = torch.softmax(scores.float(), dim=-1).to(self.dtype)
-                outs.append((att @ vals.transpose(0, 1)).transpose(0, 1).reshape(n, -1))
+                t = p0 + n
+                # whole pages of the context, then its first t tokens: [kv heads, t, D]
+                keys = kc.index_select(0, pages).reshape(-1, kvh, hd)[:t].permute(1, 2, 0)
+                vals = vc.index_select(0, pages).reshape(-1, kvh, hd)[:t].transpose(0, 1)
+                # queries grouped by the KV head they share: [kv heads, group * n, D]
+                qs = q[off : off + n].view(n, kvh, group, hd).permute(1, 2, 0, 3)
+                qs = qs.reshape(kvh, group * n, hd).float()
+                scores = (qs @ keys.float()) * scale  # [kv heads, group * n, t]
+                if mask is not None:
+                    scores = scores.view(kvh, group, n, t).masked_fill(~mask, -math.inf)
+                    scores = scores.view(kvh, group * n, t)
+                att = torch.softmax(scores, dim=-1) @ vals.float()  # [kv heads, group * n, D]
+                att = att.view(kvh, group, n, hd).permute(2, 0, 1, 3).reshape(n, -1)
+                outs.append(att.to(cd))
                 off += n
-            x = x + torch.cat(outs) @ layer.wo
-            h = _rms_norm(x, layer.mlp_norm, c.rms_eps)
-            x = x + (torch.nn.functional.silu(h @ layer.w_gate) * (h @ layer.w_up)) @ layer.w_down
-        logits = (_rms_norm(x, self.final_norm, c.rms_eps) @ self.lm_head).float()
+            x = x + (torch.cat(outs) @ layer.wo).float()
+            h = _rms_norm(x, layer.mlp_norm, c.rms_eps).to(cd)
+            mlp = (torch.nn.functional.silu(h @ layer.w_gate) * (h @ layer.w_up)) @ layer.w_down
+            x = x + mlp.float()
+        if last_only:
+            ends = []
+            off = 0
+            for _, _, _, n in segs:
+                off += n
+                ends.append(off - 1)
+            x = x[torch.as_tensor(ends, device=self.device)]
+        logits = (_rms_norm(x, self.final_norm, c.rms_eps).to(cd) @ self.lm_head).float()
         result: dict[int, torch.Tensor] = {}
         off = 0
-        for (rid, req, _, n), toks in zip(segs, batch.values(), strict=True):
+        for i, ((rid, req, _, n), toks) in enumerate(zip(segs, batch.values(), strict=True)):
             req.tokens.extend(int(t) for t in toks)
-            result[rid] = logits[off : off + n]
+            result[rid] = logits[i : i + 1] if last_only else logits[off : off + n]
             off += n
         return result
