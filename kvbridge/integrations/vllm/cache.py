@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import Unavailable
 from ...pack import PagedKVCache
 
 __all__ = ["describe_vllm_cache"]
@@ -30,7 +31,13 @@ def describe_vllm_cache(
     """The cache over ``tensors`` (in layer order) and the number of kernel
     blocks per vLLM block that the caller must still map (always 1: the
     cache maps vLLM's block tables itself)."""
-    cache = PagedKVCache.from_vllm(
+    from_vllm = getattr(PagedKVCache, "from_vllm", None)
+    if from_vllm is None:
+        raise Unavailable(
+            "this kvbridge's PagedKVCache cannot describe vLLM's strided KV views "
+            "(PagedKVCache.from_vllm, docs/layouts.md)"
+        )
+    cache: PagedKVCache = from_vllm(
         tensors, kv_split=_kv_split(), block_tokens=int(block_size), name=name
     )
     return cache, 1
