@@ -54,7 +54,9 @@ class Pair:
     """A decode ``md`` listening on loopback and a prefill ``prefill-0`` that
     connects to it (the control thread connects in the background)."""
 
-    def __init__(self, d_metrics: tuple[str, int] | None = None, **cfg: float) -> None:
+    def __init__(
+        self, d_metrics: tuple[str, int] | None = None, ucx: bool = False, **cfg: float
+    ) -> None:
         self.darr = _array(D_LAYOUT, 16, None)
         self.parr = _array(P_LAYOUT, 32, 7)
         self.dcache = PagedKVCache(D_LAYOUT, self.darr)
@@ -63,6 +65,7 @@ class Pair:
             identity="md",
             model_id=MODEL,
             listen=("127.0.0.1", 0),
+            ucx=ucx,
             metrics_addr=d_metrics,
             **cfg,  # type: ignore[arg-type]
         )
@@ -71,7 +74,7 @@ class Pair:
         pcfg = ConnectorConfig(
             identity="prefill-0",
             model_id=MODEL,
-            peers=(PeerSpec("md", "127.0.0.1", self.d.tcp_port),),
+            peers=(PeerSpec("md", "127.0.0.1", self.d.tcp_port, "ucx" if ucx else "tcp"),),
             **cfg,  # type: ignore[arg-type]
         )
         self.p = ConnectorWorker(pcfg, producer=True, consumer=False, make_bridge=SyncBridge)
@@ -81,7 +84,8 @@ class Pair:
         self.failed: set[str] = set()
         self.released: set[str] = set()
         self.tickets: dict[str, list[str]] = {}
-        self.wait(lambda: "md" in self.p._connected_names(), what="the prefill connects")
+        want = "md/ucx" if ucx else "md"
+        self.wait(lambda: want in self.p._connected_names(), what="the prefill connects")
 
     def close(self) -> None:
         self.p.shutdown()
@@ -236,5 +240,28 @@ def test_metrics_addr_serves_the_bridges_series() -> None:
         want = f'kvbridge:rx_bytes_total{{bridge="md",model_name="{MODEL}",path="tcp"}} '
         line = next(ln for ln in text.splitlines() if ln.startswith(want))
         assert float(line.split()[-1]) == 30 * P_LAYOUT.bytes_per_token
+    finally:
+        pair.close()
+
+
+def test_ucx_destination_bootstraps_over_tcp_and_moves_by_ucx() -> None:
+    """A decode with ``ucx``: the prefill connects its TCP listener, asks for
+    the UCX metadata (META_QUERY / META_REPLY), connects ``md/ucx``; the
+    decode's ticket is a UCX ticket and the bytes come by UCX."""
+    from kvbridge.transport import ucx
+
+    if not ucx.available():
+        pytest.skip(f"UCX unavailable: {ucx.unavailable_reason()}")
+    pair = Pair(ucx=True, recv_timeout_s=5.0, idle_wait_s=0.001)
+    try:
+        pair.step_d(StepPlan(recvs=[RecvPlan("d10", "t10", "prefill-0", D_TABLE, 0, 50)]))
+        pair.wait(lambda: "t10" in pair.tickets, "the ticket reaches the prefill")
+        pair.step_p(StepPlan(sends=[SendPlan("p10", "t10", ("md",), P_TABLE, 50)]), forward=True)
+        pair.step_p(StepPlan(finished_sends={"p10": FinishedSend("t10", hold=True, aborted=False)}))
+        pair.wait(lambda: "d10" in pair.received and "p10" in pair.sent, "the transfer ends")
+        assert pair.failed == set()
+        assert _same(pair, 0, 50)
+        rep = pair.d.report()
+        assert rep is not None and rep.recv_stats["d10"]["path"].startswith("ucx")
     finally:
         pair.close()

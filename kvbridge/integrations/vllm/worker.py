@@ -270,7 +270,17 @@ class ConnectorWorker:
     # ---- the control thread ------------------------------------------------------------
     def _on_control(self, peer: str, frame_type: int, payload: bytes) -> None:
         """On kvbridge's loop thread: never block, never call the bridge."""
-        if frame_type in (META_QUERY, META_REPLY):
+        if frame_type == META_REPLY:
+            # the control thread waits for it inside _connect_peer
+            q = self._ucx_meta.get(peer)
+            try:
+                msg = decode_control(frame_type, payload)
+            except KVBridgeError as e:
+                log.warning("bad META_REPLY from %s: %s", peer, e)
+                return
+            if q is not None and isinstance(msg, MetaReply):
+                q.put(msg.blob)
+        elif frame_type == META_QUERY:
             self._ctl.put((peer, frame_type, payload))
         else:
             self._inbox.put((peer, frame_type, payload))
@@ -311,10 +321,6 @@ class ConnectorWorker:
                     self.bridge.send_control(peer, *encode_control(MetaReply(blob)))
                 except KVBridgeError as e:
                     log.warning("cannot give %s our UCX metadata: %s", peer, e)
-            elif isinstance(msg, MetaReply):
-                q = self._ucx_meta.get(peer)
-                if q is not None:
-                    q.put(msg.blob)
 
     def _connect_peer(self, name: str) -> bool:
         """Connect one decode (TCP, then UCX through its metadata); False: retry."""
