@@ -232,3 +232,16 @@ def test_roles_ignore_what_they_do_not_serve() -> None:
     r = Req("z", 10, {"do_remote_prefill": True, "transfer_id": "bad id", "prefill": "p"})
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     assert r.kv_transfer_params is None
+
+
+def test_kv_both_serves_both_kinds_of_request() -> None:
+    s = ConnectorScheduler("both", producer=True, consumer=True, clock=Clock())
+    s.bind_block_ids(lambda rid: [1, 2])
+    send = Req("s1", 40, dict(P_PARAMS))
+    recv = Req("r1", 40, {"do_remote_prefill": True, "transfer_id": "t9", "prefill": "p"})
+    assert s.get_num_new_matched_tokens(send, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(recv, 0) == (40, True)
+    s.update_state_after_alloc(recv, Blocks([3, 4]), 40)
+    plan = s.build_connector_meta(Out({"s1": 40}))
+    assert [p.req_id for p in plan.sends] == ["s1"]
+    assert [p.req_id for p in plan.recvs] == ["r1"]
