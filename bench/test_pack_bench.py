@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.cli.pack import Case, format_table, measure
+from kvbridge.cli.pack import (
+    SMOLLM2,
+    Case,
+    format_checksum_table,
+    format_table,
+    measure,
+    measure_checksum,
+)
 from kvbridge.layout import KVLayout
 from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
 from kvbridge.testing.pack_ref import ref_pack
@@ -81,15 +88,32 @@ def test_bench_torch_index_select_baseline(benchmark: Any) -> None:
 
 
 def test_ratio_table_row() -> None:
-    """The CLI's measurement on a tiny case: one timed run of each variant."""
-    case = Case("tiny", KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16))
-    ticks: list[int] = []
-    row = measure(case, 0.25, reps=1, warmup=0, num_threads=0, tick=lambda: ticks.append(1))
-    assert ticks == [1]
-    assert set(row["seconds"]) == {"memcpy", "pack", "torch_pack", "unpack", "torch_unpack"}
-    assert row["wire_bytes"] == case.layout.wire_nbytes(row["tokens"])
-    assert all(v > 0 for v in row["seconds"].values())
-    assert "tiny" in format_table([row])
+    """The CLI's measurement on tiny cases: one timed run of each variant, the
+    torch code checked against kvbridge first."""
+    tiny = [
+        Case("tiny", KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=16)),
+        Case("tiny vLLM", vllm={**SMOLLM2, "num_layers": 2, "block_size": 16, "layout": "LBHNC"}),
+        Case("tiny vLLM-CPU", vllm={**SMOLLM2, "num_layers": 2, "block_size": 32,
+                                    "layout": "LBHNC", "kv_split": "cpu"}),
+    ]  # fmt: skip
+    rows = []
+    for case in tiny:
+        ticks = [0]
+
+        def tick(ticks: list[int] = ticks) -> None:
+            ticks[0] += 1
+
+        row = measure(case, 0.25, reps=1, warmup=0, num_threads=2, tick=tick)
+        assert ticks == [1]
+        assert set(row["seconds"]) == {
+            "memcpy_1", "memcpy_n", "pack", "torch_pack", "unpack", "torch_unpack",
+        }  # fmt: skip
+        assert row["threads"] == 2 and all(v > 0 for v in row["seconds"].values())
+        rows.append(row)
+    assert "tiny vLLM" in format_table(rows)
+    check = measure_checksum(tiny[1], 0.25, reps=1, warmup=0, tick=lambda: None)
+    assert check["fused_vs_pack_then_core_xxh3"] > 0
+    assert "tiny vLLM" in format_checksum_table([check])
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,13 +123,16 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
     argv = ["pack", "--quick", "--json", "--mib", "0.25", "--reps", "1", "--warmup", "0"]
     assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    rows = out["rows"]
     assert [r["case"] for r in rows][:3] == [
         "Llama-3-8B fp16",
         "Llama-3-8B bf16",
         "DeepSeek-V3 MLA bf16",
     ]
+    assert any(r["case"].startswith("vLLM LBHNC 16") for r in rows)
     assert {r["page_bytes"] for r in rows} >= {2048, 16384, 262144, 32768}
+    assert {c["case"] for c in out["checksum"]} >= {"Llama-3-8B bf16", "vLLM LBHNC 16 SmolLM2"}
 
 
 @pytest.mark.parametrize("how", ["read", "zero-fill+read_into"])

@@ -1,4 +1,5 @@
-// CPU pack/unpack: memcpy over coalesced runs, the slice split across threads.
+// CPU pack/unpack: memcpy over coalesced runs, the slice split across threads;
+// with a checksum, one thread copies and hashes window by window.
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
@@ -7,9 +8,15 @@
 
 #include "error.h"
 #include "geometry.h"
+#include "handles.h"
 #include "kvbridge/pack.h"
-#include "runs.h"
 #include "thread_pool.h"
+#include "xxh3.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define KVB_HAVE_SSE2 1
+#endif
 
 namespace kvb {
 namespace {
@@ -19,132 +26,317 @@ constexpr int kMaxAutoThreads = 8;
 constexpr int kMaxThreads = 64;
 constexpr std::ptrdiff_t kPrefetchRuns = 4;  // runs ahead
 constexpr int64_t kPrefetchBytes = 2048;     // of each run's head
+constexpr uint64_t kHashWindow = uint64_t{32} << 10;
+constexpr uint64_t kPairHashBytes = uint64_t{4} << 20;  // a layer's K and V, hashed from cache
+// Slices this large are written with streaming stores: they outgrow the caches
+// (and a checksummed slice, hashed from cache, never is).
+constexpr uint64_t kStreamBytes = uint64_t{8} << 20;  // copied, then hashed while in cache
 
 struct Job {
-  Geometry g;
-  std::vector<TokenRun> runs;
-  void* const* layer_base;
+  const CacheInfo* c;
+  const PlanInfo* p;
   uint8_t* wire;         // the byte at wire position `wire_offset`
   uint64_t wire_offset;  // first wire position of the call's slice
+  bool paired = false;   // components_paired()
 };
 
-template <bool kPack>
+// A copy whose destination is not read back soon: 16-byte streaming stores
+// (no read for ownership, no cache pollution) where the destination is
+// aligned, as memcpy itself does for copies larger than the caches.
+inline void copy_nt(uint8_t* dst, const uint8_t* src, size_t n) {
+#ifdef KVB_HAVE_SSE2
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    for (; i + 16 <= n; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+    if (i < n) std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+// Orders this thread's streaming stores before what follows.
+inline void fence_nt() {
+#ifdef KVB_HAVE_SSE2
+  _mm_sfence();
+#endif
+}
+
+template <bool kPack, bool kNt>
 inline void move(uint8_t* wire, uint8_t* cache, size_t n) {
-  if (kPack) {
-    std::memcpy(wire, cache, n);
+  uint8_t* dst = kPack ? wire : cache;
+  const uint8_t* src = kPack ? cache : wire;
+  if (kNt) {
+    copy_nt(dst, src, n);
   } else {
-    std::memcpy(cache, wire, n);
+    std::memcpy(dst, src, n);
   }
 }
 
 // All heads of one token whose heads are not adjacent (HND): a constant-size
 // memcpy per head lets the compiler emit plain vector moves.
-template <bool kPack, int64_t kHeadBytes>
+template <bool kPack, bool kNt, int64_t kHeadBytes>
 inline void move_heads_fixed(uint8_t* wire, uint8_t* tok, int64_t heads, int64_t stride_head) {
   for (int64_t h = 0; h < heads; ++h) {
-    move<kPack>(wire + h * kHeadBytes, tok + h * stride_head, kHeadBytes);
+    move<kPack, kNt>(wire + h * kHeadBytes, tok + h * stride_head, kHeadBytes);
   }
 }
 
-template <bool kPack>
-inline void move_heads(uint8_t* wire, uint8_t* tok, const Geometry& g) {
+template <bool kPack, bool kNt>
+inline void move_heads(uint8_t* wire, uint8_t* tok, const Geometry& g, int64_t stride_head) {
   switch (g.head_bytes) {
     case 64:
-      return move_heads_fixed<kPack, 64>(wire, tok, g.num_heads, g.stride_head);
+      return move_heads_fixed<kPack, kNt, 64>(wire, tok, g.num_heads, stride_head);
     case 128:
-      return move_heads_fixed<kPack, 128>(wire, tok, g.num_heads, g.stride_head);
+      return move_heads_fixed<kPack, kNt, 128>(wire, tok, g.num_heads, stride_head);
     case 256:
-      return move_heads_fixed<kPack, 256>(wire, tok, g.num_heads, g.stride_head);
+      return move_heads_fixed<kPack, kNt, 256>(wire, tok, g.num_heads, stride_head);
     case 512:
-      return move_heads_fixed<kPack, 512>(wire, tok, g.num_heads, g.stride_head);
+      return move_heads_fixed<kPack, kNt, 512>(wire, tok, g.num_heads, stride_head);
     default:
       for (int64_t h = 0; h < g.num_heads; ++h) {
-        move<kPack>(wire + h * g.head_bytes, tok + h * g.stride_head,
-                    static_cast<size_t>(g.head_bytes));
+        move<kPack, kNt>(wire + h * g.head_bytes, tok + h * stride_head,
+                         static_cast<size_t>(g.head_bytes));
       }
   }
 }
 
-// Part of one token: block-relative wire bytes [a, b) of the token at x0.
-template <bool kPack>
-void move_token_part(const Job& j, uint64_t blk_pos, uint8_t* tok, uint64_t x0, uint64_t a,
-                     uint64_t b) {
-  const Geometry& g = j.g;
-  auto wp = [&](uint64_t x) { return j.wire + (blk_pos + x - j.wire_offset); };
-  if (g.heads_contiguous) {
-    move<kPack>(wp(a), tok + (a - x0), b - a);
-    return;
-  }
-  const uint64_t hb = static_cast<uint64_t>(g.head_bytes);
-  for (uint64_t h = (a - x0) / hb; h < static_cast<uint64_t>(g.num_heads); ++h) {
-    const uint64_t h0 = x0 + h * hb;
-    if (h0 >= b) break;
-    const uint64_t s = std::max(h0, a), e = std::min(h0 + hb, b);
-    move<kPack>(wp(s), tok + h * g.stride_head + (s - h0), e - s);
+// Heads whose elements are strided (a K cache stored [head_dim][tokens] within
+// each page): `n` whole tokens, the cache's tokens `stride_token` apart.
+template <bool kPack, bool kNt, typename T>
+void move_elems_typed(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g,
+                      const CompStrides& s, int64_t elems) {
+  const int64_t tokb = g.token_bytes;
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    uint8_t* wh = wire + h * g.head_bytes;
+    uint8_t* ch = tok + h * s.head;
+    for (int64_t e = 0; e < elems; ++e) {
+      uint8_t* we = wh + e * static_cast<int64_t>(sizeof(T));
+      uint8_t* ce = ch + e * s.elem;
+      for (int64_t i = 0; i < n; ++i) {
+        move<kPack, false>(we + i * tokb, ce + i * s.token, sizeof(T));  // element stores
+      }
+    }
   }
 }
 
-// One token run of (layer, component) block at wire position blk_pos,
+template <bool kPack, bool kNt>
+void move_elems(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g, const CompStrides& s,
+                int64_t elems) {
+  switch (g.elem_bytes) {
+    case 1:
+      return move_elems_typed<kPack, kNt, uint8_t>(wire, tok, n, g, s, elems);
+    case 2:
+      return move_elems_typed<kPack, kNt, uint16_t>(wire, tok, n, g, s, elems);
+    case 4:
+      return move_elems_typed<kPack, kNt, uint32_t>(wire, tok, n, g, s, elems);
+    case 8:
+      return move_elems_typed<kPack, kNt, uint64_t>(wire, tok, n, g, s, elems);
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t h = 0; h < g.num_heads; ++h) {
+          for (int64_t e = 0; e < elems; ++e) {
+            move<kPack, kNt>(wire + i * g.token_bytes + h * g.head_bytes + e * g.elem_bytes,
+                             tok + i * s.token + h * s.head + e * s.elem,
+                             static_cast<size_t>(g.elem_bytes));
+          }
+        }
+      }
+  }
+}
+
+// How the bytes of one token of a component sit in the cache.
+enum class TokenShape {
+  kRun,    // the range's heads of a token are one run of token_bytes
+  kHeads,  // each head is one run of head_bytes
+  kElems,  // each element is a run of elem_bytes
+};
+
+TokenShape token_shape(const Job& j, int comp) {
+  const Geometry& g = j.p->g;
+  if (!j.c->head_run(comp)) return TokenShape::kElems;
+  if (g.num_heads == 1 || j.c->comp[comp].head == g.head_bytes) return TokenShape::kRun;
+  return TokenShape::kHeads;
+}
+
+// `n` whole tokens: wire rows from `wire`, cache tokens from `tok`.
+template <bool kPack, bool kNt>
+void move_tokens(const Job& j, int comp, TokenShape shape, uint8_t* wire, uint8_t* tok, int64_t n) {
+  const Geometry& g = j.p->g;
+  const CompStrides& s = j.c->comp[comp];
+  switch (shape) {
+    case TokenShape::kRun:
+      for (int64_t i = 0; i < n; ++i) {
+        move<kPack, kNt>(wire + i * g.token_bytes, tok + i * s.token,
+                         static_cast<size_t>(g.token_bytes));
+      }
+      return;
+    case TokenShape::kHeads:
+      for (int64_t i = 0; i < n; ++i)
+        move_heads<kPack, kNt>(wire + i * g.token_bytes, tok + i * s.token, g, s.head);
+      return;
+    case TokenShape::kElems:
+      move_elems<kPack, kNt>(wire, tok, n, g, s, j.c->elems_per_head());
+      return;
+  }
+}
+
+// Bytes [a, b) of one token (token-relative), the wire byte a at `wire`.
+template <bool kPack, bool kNt>
+void move_token_part(const Job& j, int comp, uint8_t* wire, uint8_t* tok, uint64_t a, uint64_t b) {
+  const Geometry& g = j.p->g;
+  const CompStrides& s = j.c->comp[comp];
+  const bool head_run = j.c->head_run(comp);
+  const uint64_t hb = static_cast<uint64_t>(g.head_bytes);
+  const uint64_t eb = static_cast<uint64_t>(g.elem_bytes);
+  for (uint64_t x = a; x < b;) {
+    const uint64_t h = x / hb, xb = x - h * hb;
+    uint8_t* addr = tok + static_cast<int64_t>(h) * s.head;
+    uint64_t n;
+    if (head_run) {
+      n = std::min(b, (h + 1) * hb) - x;
+      addr += xb;
+    } else {
+      const uint64_t e = xb / eb, xe = xb - e * eb;
+      n = std::min(b - x, eb - xe);
+      addr += static_cast<int64_t>(e) * s.elem + static_cast<int64_t>(xe);
+    }
+    move<kPack, kNt>(wire + (x - a), addr, n);
+    x += n;
+  }
+}
+
+// One token run of the (layer, component) block at wire position blk_pos,
 // clipped to the block-relative wire bytes [blo, bhi).
-template <bool kPack>
-void move_run(const Job& j, const TokenRun& run, uint8_t* comp_base, uint64_t blk_pos, uint64_t blo,
-              uint64_t bhi) {
-  const Geometry& g = j.g;
+template <bool kPack, bool kNt>
+void move_run(const Job& j, int comp, TokenShape shape, const TokenRun& run, uint8_t* comp_base,
+              uint64_t blk_pos, uint64_t blo, uint64_t bhi) {
+  const Geometry& g = j.p->g;
+  const CompStrides& s = j.c->comp[comp];
   const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
-  const uint64_t w0 = std::max(static_cast<uint64_t>(run.t0) * tokb, blo);
+  const uint64_t r0 = static_cast<uint64_t>(run.t0) * tokb;
+  const uint64_t w0 = std::max(r0, blo);
   const uint64_t w1 = std::min(static_cast<uint64_t>(run.t1) * tokb, bhi);
   if (w0 >= w1) return;
   uint8_t* first = comp_base + run.off;  // token run.t0
   auto wp = [&](uint64_t x) { return j.wire + (blk_pos + x - j.wire_offset); };
-  if (g.heads_contiguous && g.stride_token == g.token_bytes) {
-    move<kPack>(wp(w0), first + (w0 - static_cast<uint64_t>(run.t0) * tokb), w1 - w0);
+  auto tp = [&](uint64_t t) { return first + static_cast<int64_t>(t - run.t0) * s.token; };
+  if (shape == TokenShape::kRun && s.token == g.token_bytes) {
+    move<kPack, kNt>(wp(w0), first + (w0 - r0), w1 - w0);
     return;
   }
-  const uint64_t t_begin = w0 / tokb, t_end = (w1 + tokb - 1) / tokb;
-  for (uint64_t t = t_begin; t < t_end; ++t) {
-    const uint64_t x0 = t * tokb;
-    uint8_t* tok = first + static_cast<int64_t>(t - run.t0) * g.stride_token;
-    if (x0 >= w0 && x0 + tokb <= w1) {
-      if (g.heads_contiguous) {
-        move<kPack>(wp(x0), tok, tokb);
-      } else {
-        move_heads<kPack>(wp(x0), tok, g);
-      }
-    } else {
-      move_token_part<kPack>(j, blk_pos, tok, x0, std::max(x0, w0), std::min(x0 + tokb, w1));
-    }
+  const uint64_t ta = (w0 + tokb - 1) / tokb, tb = w1 / tokb;  // whole tokens [ta, tb)
+  if (ta > tb) {                                               // inside one token
+    const uint64_t t = w0 / tokb;
+    move_token_part<kPack, kNt>(j, comp, wp(w0), tp(t), w0 - t * tokb, w1 - t * tokb);
+    return;
   }
+  if (w0 < ta * tokb) {
+    const uint64_t t = ta - 1;
+    move_token_part<kPack, kNt>(j, comp, wp(w0), tp(t), w0 - t * tokb, tokb);
+  }
+  if (ta < tb) {
+    move_tokens<kPack, kNt>(j, comp, shape, wp(ta * tokb), tp(ta), static_cast<int64_t>(tb - ta));
+  }
+  if (tb * tokb < w1)
+    move_token_part<kPack, kNt>(j, comp, wp(tb * tokb), tp(tb), 0, w1 - tb * tokb);
 }
 
 // Runs start at random pages, where the hardware prefetcher cannot follow:
 // touch the head of a run a few runs ahead (read for pack, write for unpack).
 template <bool kPack>
-inline void prefetch_run(const Job& j, const TokenRun& run, const uint8_t* comp_base) {
+inline void prefetch_run(const TokenRun& run, const CompStrides& s, const uint8_t* comp_base) {
   const uint8_t* p = comp_base + run.off;
-  const int64_t n = std::min<int64_t>((run.t1 - run.t0) * j.g.stride_token, kPrefetchBytes);
+  const int64_t n = std::min<int64_t>((run.t1 - run.t0) * s.token, kPrefetchBytes);
   for (int64_t x = 0; x < n; x += 64) __builtin_prefetch(p + x, kPack ? 0 : 1, 3);
 }
 
+// Whether the two components sit side by side in each token slot (vLLM's
+// packed K|V): same strides, heads in runs.  Then a layer whose K and V blocks
+// a slice covers whole is copied in one pass over its pages (move_pair), which
+// reads each slot once instead of once per component.
+bool components_paired(const Job& j) {
+  const CacheInfo& c = *j.c;
+  if (c.num_components != 2 || !c.head_run(0) || !c.head_run(1)) return false;
+  const CompStrides& a = c.comp[0];
+  const CompStrides& b = c.comp[1];
+  return a.page == b.page && a.token == b.token && a.head == b.head && a.elem == b.elem;
+}
+
+// The whole K and V blocks of one layer: V's bytes sit `v_off` after K's.
+template <bool kPack, bool kNt>
+void move_pair(const Job& j, TokenShape shape, uint8_t* k_base, int64_t v_off, uint8_t* wire_k,
+               uint8_t* wire_v) {
+  const Geometry& g = j.p->g;
+  const CompStrides& s = j.c->comp[0];
+  const int64_t tokb = g.token_bytes;
+  const std::vector<TokenRun>& runs = j.p->runs[0];
+  for (size_t r = 0; r < runs.size(); ++r) {
+    if ((kPack || !kNt) && r + kPrefetchRuns < runs.size()) {
+      prefetch_run<kPack>(runs[r + kPrefetchRuns], s, k_base);
+    }
+    const TokenRun& run = runs[r];
+    uint8_t* tok = k_base + run.off;
+    for (int64_t t = run.t0; t < run.t1; ++t, tok += s.token) {
+      if (shape == TokenShape::kRun) {
+        move<kPack, kNt>(wire_k + t * tokb, tok, static_cast<size_t>(tokb));
+        move<kPack, kNt>(wire_v + t * tokb, tok + v_off, static_cast<size_t>(tokb));
+      } else {
+        move_heads<kPack, kNt>(wire_k + t * tokb, tok, g, s.head);
+        move_heads<kPack, kNt>(wire_v + t * tokb, tok + v_off, g, s.head);
+      }
+    }
+  }
+}
+
 // Wire positions [lo, hi) (absolute, inside the call's slice).
-template <bool kPack>
+template <bool kPack, bool kNt>
 void move_slice(const Job& j, uint64_t lo, uint64_t hi) {
-  const Geometry& g = j.g;
+  const Geometry& g = j.p->g;
   const uint64_t blkb = static_cast<uint64_t>(g.block_bytes);
   const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
   uint64_t blk = lo / blkb;
   while (lo < hi) {
     const uint64_t blk_pos = blk * blkb;
     const int64_t layer = g.layer_start + static_cast<int64_t>(blk) / g.num_components;
-    const int64_t comp = static_cast<int64_t>(blk) % g.num_components;
-    uint8_t* comp_base = static_cast<uint8_t*>(j.layer_base[layer]) + comp * g.stride_component;
+    const int comp = static_cast<int>(static_cast<int64_t>(blk) % g.num_components);
+    const CompStrides& s = j.c->comp[comp];
+    uint8_t* comp_base = reinterpret_cast<uint8_t*>(j.c->at(layer, comp)) + g.head_start * s.head;
+    const TokenShape shape = token_shape(j, comp);
+    if (j.paired && comp == 0 && lo == blk_pos && hi - blk_pos >= 2 * blkb) {
+      const int64_t v_off = static_cast<int64_t>(j.c->at(layer, 1) - j.c->at(layer, 0));
+      if (v_off > 0 && v_off < s.token) {
+        uint8_t* wire_k = j.wire + (blk_pos - j.wire_offset);
+        move_pair<kPack, kNt>(j, shape, comp_base, v_off, wire_k, wire_k + blkb);
+        lo = blk_pos + 2 * blkb;
+        blk += 2;
+        continue;
+      }
+    }
+    const std::vector<TokenRun>& runs = j.p->runs[comp];
     const uint64_t blo = lo - blk_pos;
     const uint64_t bhi = std::min(hi - blk_pos, blkb);
     const int64_t t_first = static_cast<int64_t>(blo / tokb);
-    auto it = std::upper_bound(j.runs.begin(), j.runs.end(), t_first,
+    auto it = std::upper_bound(runs.begin(), runs.end(), t_first,
                                [](int64_t t, const TokenRun& r) { return t < r.t1; });
-    for (; it != j.runs.end() && static_cast<uint64_t>(it->t0) * tokb < bhi; ++it) {
-      if (j.runs.end() - it > kPrefetchRuns) prefetch_run<kPack>(j, it[kPrefetchRuns], comp_base);
-      move_run<kPack>(j, *it, comp_base, blk_pos, blo, bhi);
+    for (; it != runs.end() && static_cast<uint64_t>(it->t0) * tokb < bhi; ++it) {
+      if ((kPack || !kNt) && runs.end() - it > kPrefetchRuns) {  // streamed stores need none
+        prefetch_run<kPack>(it[kPrefetchRuns], s, comp_base);
+      }
+      move_run<kPack, kNt>(j, comp, shape, *it, comp_base, blk_pos, blo, bhi);
     }
     lo = blk_pos + bhi;
     ++blk;
@@ -162,42 +354,109 @@ int thread_count(const kvb_exec* exec, uint64_t nbytes) {
   return static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(want), by_size));
 }
 
-template <bool kPack>
-int run_cpu(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset, void* wire,
-            uint64_t nbytes, const kvb_exec* exec) {
-  if (exec != nullptr && exec->num_threads < 0) {
-    return failf(KVB_ERR_INVALID_ARG, "num_threads must be >= 0, got %d", exec->num_threads);
-  }
-  Job j;
-  int rc = validate(cache, range, wire_offset, nbytes, wire, true,
-                    kPack ? Access::kRead : Access::kWrite, &j.g);
-  if (rc != KVB_OK) return rc;
-  if (cache->device != -1) {
-    return failf(KVB_ERR_INVALID_ARG,
-                 "the CPU path needs a host-memory cache; this one is on CUDA device %d",
-                 cache->device);
-  }
-  if (nbytes == 0) return KVB_OK;
-  int64_t t_lo = 0, t_hi = 0;
-  slice_tokens(j.g, wire_offset, wire_offset + nbytes, &t_lo, &t_hi);
-  j.runs = token_runs(j.g, range->block_table, t_lo, t_hi);
-  j.layer_base = cache->layer_base;
-  j.wire = static_cast<uint8_t*>(wire);
-  j.wire_offset = wire_offset;
-  const int n = thread_count(exec, nbytes);
-  const uint64_t lo = wire_offset, hi = wire_offset + nbytes;
+// Wire positions [lo, hi) over `n` threads: equal parts, cut on 64-byte wire
+// positions so no two threads share a line.
+template <bool kPack, bool kNt>
+void move_parallel(const Job& j, uint64_t lo, uint64_t hi, int n) {
   if (n <= 1) {
-    move_slice<kPack>(j, lo, hi);
-    return KVB_OK;
+    move_slice<kPack, kNt>(j, lo, hi);
+    if (kNt) fence_nt();
+    return;
   }
-  // Equal parts, cut on 64-byte wire positions so no two threads share a line.
-  const uint64_t step = (nbytes / static_cast<uint64_t>(n) + 63) & ~uint64_t{63};
+  const uint64_t step = ((hi - lo) / static_cast<uint64_t>(n) + 63) & ~uint64_t{63};
   parallel_for(n, [&](int i) {
     const uint64_t a = std::min(hi, lo + static_cast<uint64_t>(i) * step);
     const uint64_t b = i == n - 1 ? hi : std::min(hi, a + step);
-    if (a < b) move_slice<kPack>(j, a, b);
+    if (a < b) move_slice<kPack, kNt>(j, a, b);
+    if (kNt) fence_nt();
   });
+}
+
+// A checked plan's slice.  `digest` (pack) receives the XXH3-64 of the bytes
+// written; `expect` (unpack) is checked against the XXH3-64 of the bytes read.
+template <bool kPack>
+int run_plan(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbytes,
+             const kvb_exec* exec, uint64_t* digest, const uint64_t* expect) {
+  if (exec != nullptr && exec->num_threads < 0) {
+    return failf(KVB_ERR_INVALID_ARG, "num_threads must be >= 0, got %d", exec->num_threads);
+  }
+  if (!kPack && !p.writable) {
+    return fail(KVB_ERR_INVALID_ARG, "unpack needs a plan created with KVB_PLAN_WRITE");
+  }
+  if (int rc = check_slice(p, wire_offset, nbytes, wire, true); rc != KVB_OK) return rc;
+  if (p.cache->device != -1) {
+    return failf(KVB_ERR_INVALID_ARG,
+                 "the CPU path needs a host-memory cache; this one is on CUDA device %d",
+                 p.cache->device);
+  }
+  Job j{p.cache, &p, static_cast<uint8_t*>(wire), wire_offset};
+  j.paired = components_paired(j);
+  const uint64_t lo = wire_offset, hi = wire_offset + nbytes;
+  if (digest != nullptr || expect != nullptr) {
+    Xxh3Stream h;
+    // A layer whose K and V are copied in one pass (move_pair) goes whole when
+    // its two blocks fit in cache: copied, then hashed from there.
+    const uint64_t pair = 2 * static_cast<uint64_t>(p.g.block_bytes);
+    const bool pairs = j.paired && pair > 0 && pair <= kPairHashBytes;
+    for (uint64_t w = lo; w < hi;) {
+      uint64_t e = std::min(hi, w + kHashWindow);
+      if (pairs) {
+        const uint64_t next = (w / pair + 1) * pair;
+        if (w % pair == 0 && w + pair <= hi) {
+          e = w + pair;
+        } else if (next < e) {
+          e = next;  // stop at the next layer, which may then go whole
+        }
+      }
+      const uint8_t* bytes = j.wire + (w - lo);
+      if (kPack) {
+        move_slice<kPack, false>(j, w, e);
+        h.update(bytes, e - w);
+      } else {
+        h.update(bytes, e - w);
+        move_slice<kPack, false>(j, w, e);
+      }
+      w = e;
+    }
+    const uint64_t d = h.digest();
+    if (digest != nullptr) *digest = d;
+    if (expect != nullptr && d != *expect) {
+      return failf(KVB_ERR_CHECKSUM,
+                   "the %llu bytes at wire offset %llu have XXH3-64 %016llx, expected %016llx; "
+                   "their slots now hold unspecified bytes",
+                   static_cast<unsigned long long>(nbytes),
+                   static_cast<unsigned long long>(wire_offset), static_cast<unsigned long long>(d),
+                   static_cast<unsigned long long>(*expect));
+    }
+    return KVB_OK;
+  }
+  if (nbytes == 0) return KVB_OK;
+  const int n = thread_count(exec, nbytes);
+  if (nbytes >= kStreamBytes) {
+    move_parallel<kPack, true>(j, lo, hi, n);
+  } else {
+    move_parallel<kPack, false>(j, lo, hi, n);
+  }
   return KVB_OK;
+}
+
+// The per-call entry points: check the descriptor and the range, then copy.
+template <bool kPack>
+int run_once(const kvb_cache_desc* cache, const kvb_range* range, uint64_t wire_offset, void* wire,
+             uint64_t nbytes, const kvb_exec* exec) {
+  if (exec != nullptr && exec->num_threads < 0) {
+    return failf(KVB_ERR_INVALID_ARG, "num_threads must be >= 0, got %d", exec->num_threads);
+  }
+  if (cache == nullptr || range == nullptr) {
+    return fail(KVB_ERR_INVALID_ARG, "null cache descriptor or range");
+  }
+  CacheInfo c;
+  if (int rc = check_cache(cache, &c); rc != KVB_OK) return rc;
+  PlanInfo p;
+  if (int rc = check_range(c, range, kPack ? Access::kRead : Access::kWrite, &p); rc != KVB_OK) {
+    return rc;
+  }
+  return run_plan<kPack>(p, wire_offset, wire, nbytes, exec, nullptr, nullptr);
 }
 
 }  // namespace
@@ -207,7 +466,7 @@ extern "C" int kvb_pack_cpu(const kvb_cache_desc* cache, const kvb_range* range,
                             uint64_t wire_offset, void* dst, uint64_t nbytes,
                             const kvb_exec* exec) {
   KVB_GUARD_BEGIN
-  return kvb::run_cpu<true>(cache, range, wire_offset, dst, nbytes, exec);
+  return kvb::run_once<true>(cache, range, wire_offset, dst, nbytes, exec);
   KVB_GUARD_END
 }
 
@@ -215,6 +474,24 @@ extern "C" int kvb_unpack_cpu(const kvb_cache_desc* cache, const kvb_range* rang
                               uint64_t wire_offset, const void* src, uint64_t nbytes,
                               const kvb_exec* exec) {
   KVB_GUARD_BEGIN
-  return kvb::run_cpu<false>(cache, range, wire_offset, const_cast<void*>(src), nbytes, exec);
+  return kvb::run_once<false>(cache, range, wire_offset, const_cast<void*>(src), nbytes, exec);
+  KVB_GUARD_END
+}
+
+extern "C" int kvb_plan_pack_cpu(const kvb_plan* plan, uint64_t wire_offset, void* dst,
+                                 uint64_t nbytes, const kvb_exec* exec, uint64_t* xxh3_out) {
+  KVB_GUARD_BEGIN
+  if (plan == nullptr) return kvb::fail(KVB_ERR_INVALID_ARG, "plan is null");
+  return kvb::run_plan<true>(plan->info, wire_offset, dst, nbytes, exec, xxh3_out, nullptr);
+  KVB_GUARD_END
+}
+
+extern "C" int kvb_plan_unpack_cpu(const kvb_plan* plan, uint64_t wire_offset, const void* src,
+                                   uint64_t nbytes, const kvb_exec* exec,
+                                   const uint64_t* xxh3_expect) {
+  KVB_GUARD_BEGIN
+  if (plan == nullptr) return kvb::fail(KVB_ERR_INVALID_ARG, "plan is null");
+  return kvb::run_plan<false>(plan->info, wire_offset, const_cast<void*>(src), nbytes, exec,
+                              nullptr, xxh3_expect);
   KVB_GUARD_END
 }

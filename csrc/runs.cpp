@@ -4,33 +4,21 @@
 
 namespace kvb {
 
-void slice_tokens(const Geometry& g, uint64_t lo, uint64_t hi, int64_t* t_lo, int64_t* t_hi) {
-  *t_lo = 0;
-  *t_hi = g.num_tokens;
-  if (hi <= lo || g.block_bytes <= 0) return;
-  const uint64_t blkb = static_cast<uint64_t>(g.block_bytes);
-  const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
-  if (lo / blkb != (hi - 1) / blkb) return;
-  *t_lo = static_cast<int64_t>((lo % blkb) / tokb);
-  *t_hi = static_cast<int64_t>(((hi - 1) % blkb) / tokb) + 1;
-}
-
-std::vector<TokenRun> token_runs(const Geometry& g, const int32_t* block_table, int64_t t_lo,
-                                 int64_t t_hi) {
+std::vector<TokenRun> token_runs(const Geometry& g, const CompStrides& s, const int32_t* pages) {
   std::vector<TokenRun> runs;
-  if (t_hi <= t_lo) return runs;
-  const int64_t begin = g.token_start + t_lo;
-  const int64_t end = g.token_start + t_hi;
-  const int64_t b0 = begin / g.page_tokens, b1 = (end - 1) / g.page_tokens;
-  runs.reserve(static_cast<size_t>(b1 - b0 + 1));
-  for (int64_t b = b0; b <= b1; ++b) {
+  if (g.num_tokens <= 0) return runs;
+  const int64_t begin = g.token_start;
+  const int64_t end = g.token_start + g.num_tokens;
+  runs.reserve(static_cast<size_t>(g.num_blocks));
+  for (int64_t i = 0; i < g.num_blocks; ++i) {
+    const int64_t b = g.first_block + i;
     const int64_t a0 = std::max(b * g.page_tokens, begin);
     const int64_t a1 = std::min((b + 1) * g.page_tokens, end);
-    const int64_t off = static_cast<int64_t>(block_table[b]) * g.stride_page +
-                        (a0 - b * g.page_tokens) * g.stride_token;
+    const int64_t off =
+        static_cast<int64_t>(pages[i]) * s.page + (a0 - b * g.page_tokens) * s.token;
     if (!runs.empty()) {
       TokenRun& last = runs.back();
-      if (last.off + (last.t1 - last.t0) * g.stride_token == off) {
+      if (last.off + (last.t1 - last.t0) * s.token == off) {
         last.t1 = a1 - g.token_start;
         continue;
       }

@@ -67,6 +67,8 @@ extern "C" const char* kvb_status_name(int status) {
       return "KVB_ERR_PEER";
     case KVB_ERR_INCOMPATIBLE:
       return "KVB_ERR_INCOMPATIBLE";
+    case KVB_ERR_CHECKSUM:
+      return "KVB_ERR_CHECKSUM";
     default:
       return "KVB_UNKNOWN_STATUS";
   }

@@ -4,7 +4,7 @@
 // A "row" is one token of one (layer, component) block of the wire:
 // token_bytes bytes at wire position row * token_bytes.  One warp copies one
 // row; lane i of n takes 16-byte units i, i + n, ... when both sides are
-// 16-byte aligned, else single bytes.
+// 16-byte aligned and every head is one run, else single bytes.
 #ifndef KVBRIDGE_WIRE_MAP_H
 #define KVBRIDGE_WIRE_MAP_H
 
@@ -24,53 +24,59 @@
 namespace kvb {
 
 struct RowCopy {
-  int64_t layer_start;
   int64_t num_components;
   int64_t head_bytes;
+  int64_t elem_bytes;
   int64_t page_tokens;
   int64_t token_start;
   int64_t num_tokens;
   int64_t token_bytes;
   int64_t first_block;
-  int64_t stride_component;
-  int64_t stride_page;
-  int64_t stride_token;
-  int64_t stride_head;
-  uint64_t lo;  // wire positions [lo, hi) of the slice
+  int64_t head_start;
+  int64_t stride_page[2];
+  int64_t stride_token[2];
+  int64_t stride_head[2];
+  int64_t stride_elem[2];
+  int32_t head_run[2];          // a head of the component is one run of head_bytes
+  int32_t heads_contiguous[2];  // ... and the range's heads of a token are one run
+  uint64_t lo;                  // wire positions [lo, hi) of the slice
   uint64_t hi;
-  uint64_t row_first;          // lo / token_bytes
-  uint64_t num_rows;           // rows the slice touches
-  const uint64_t* layer_base;  // [layer - layer_start]
-  const int32_t* pages;        // [block - first_block]
-  uint8_t* wire;               // the byte at wire position lo
-  int32_t vector_ok;           // 16-byte units are aligned on both sides
-  int32_t heads_contiguous;    // a token's heads are one run (no per-head stride)
+  uint64_t row_first;     // lo / token_bytes
+  uint64_t num_rows;      // rows the slice touches
+  const uint64_t* bases;  // [(layer - layer_start) * num_components + component]
+  const int32_t* pages;   // [block - first_block]
+  uint8_t* wire;          // the byte at wire position lo
+  int32_t vector_ok;      // 16-byte units are aligned on both sides
 };
 
-// Address in the cache of the first byte of row `row`.
-KVB_HD uint8_t* row_token_addr(const RowCopy& d, uint64_t row) {
+// Address in the cache of the first byte of row `row`, and its component.
+KVB_HD uint8_t* row_token_addr(const RowCopy& d, uint64_t row, int* comp_out) {
   const uint64_t t = row % static_cast<uint64_t>(d.num_tokens);
   const uint64_t lc = row / static_cast<uint64_t>(d.num_tokens);
-  const int64_t comp = static_cast<int64_t>(lc % static_cast<uint64_t>(d.num_components));
-  const int64_t layer = static_cast<int64_t>(lc / static_cast<uint64_t>(d.num_components));
+  const int comp = static_cast<int>(lc % static_cast<uint64_t>(d.num_components));
   const int64_t abs_t = d.token_start + static_cast<int64_t>(t);
   const int64_t blk = abs_t / d.page_tokens;
   const int64_t slot = abs_t - blk * d.page_tokens;
   const int64_t page = d.pages[blk - d.first_block];
-  return reinterpret_cast<uint8_t*>(d.layer_base[layer]) + comp * d.stride_component +
-         page * d.stride_page + slot * d.stride_token;
+  *comp_out = comp;
+  return reinterpret_cast<uint8_t*>(d.bases[lc]) + d.head_start * d.stride_head[comp] +
+         page * d.stride_page[comp] + slot * d.stride_token[comp];
 }
 
 // Cache address of row-relative byte x of the token at `tok` (heads strided).
-KVB_HD uint8_t* row_byte_addr(const RowCopy& d, uint8_t* tok, uint64_t x) {
+KVB_HD uint8_t* row_byte_addr(const RowCopy& d, int comp, uint8_t* tok, uint64_t x) {
   uint64_t h;
   if (d.token_bytes <= 0xFFFFFFFFll) {  // 32-bit division is far cheaper on a GPU
     h = static_cast<uint32_t>(x) / static_cast<uint32_t>(d.head_bytes);
   } else {
     h = x / static_cast<uint64_t>(d.head_bytes);
   }
-  return tok + static_cast<int64_t>(h) * d.stride_head +
-         static_cast<int64_t>(x - h * static_cast<uint64_t>(d.head_bytes));
+  const uint64_t xb = x - h * static_cast<uint64_t>(d.head_bytes);
+  uint8_t* head = tok + static_cast<int64_t>(h) * d.stride_head[comp];
+  if (d.head_run[comp]) return head + static_cast<int64_t>(xb);
+  const uint64_t e = xb / static_cast<uint64_t>(d.elem_bytes);
+  return head + static_cast<int64_t>(e) * d.stride_elem[comp] +
+         static_cast<int64_t>(xb - e * static_cast<uint64_t>(d.elem_bytes));
 }
 
 template <bool kPack>
@@ -111,10 +117,12 @@ KVB_HD void copy_row(const RowCopy& d, uint64_t row, uint32_t lane, uint32_t lan
   const uint64_t end = row_pos + tokb;
   const uint64_t b = (d.hi < end ? d.hi : end) - row_pos;
   if (a >= b) return;
-  uint8_t* tok = row_token_addr(d, row);
+  int comp = 0;
+  uint8_t* tok = row_token_addr(d, row, &comp);
+  const bool contiguous = d.heads_contiguous[comp] != 0;
   // Wire and cache addresses of row byte x.
 #define KVB_WIRE(x) (d.wire + (row_pos + (x)-d.lo))
-#define KVB_CACHE(x) (d.heads_contiguous ? tok + (x) : row_byte_addr(d, tok, (x)))
+#define KVB_CACHE(x) (contiguous ? tok + (x) : row_byte_addr(d, comp, tok, (x)))
   if (!d.vector_ok) {
     for (uint64_t x = a + lane; x < b; x += lanes) move_bytes<kPack>(KVB_WIRE(x), KVB_CACHE(x), 1);
     return;
@@ -150,46 +158,57 @@ KVB_HD void copy_row(const RowCopy& d, uint64_t row, uint32_t lane, uint32_t lan
 }
 
 // Host side: the kernel's arguments for wire positions [lo, lo + nbytes)
-// (nbytes > 0) of a validated call.  `layer_base` holds the pointers of layers
-// [layer_start, layer_end); `pages` the block-table entries from first_block.
-inline RowCopy make_row_copy(const Geometry& g, uint64_t lo, uint64_t nbytes,
-                             const uint64_t* layer_base, const int32_t* pages, uint8_t* wire,
-                             bool aligned) {
+// (nbytes > 0) of a checked plan.  `bases` holds the (layer, component) base
+// addresses from layer_start on; `pages` the block-table entries from first_block.
+inline RowCopy make_row_copy(const PlanInfo& p, uint64_t lo, uint64_t nbytes, const uint64_t* bases,
+                             const int32_t* pages, uint8_t* wire, bool aligned) {
+  const Geometry& g = p.g;
+  const CacheInfo& c = *p.cache;
   RowCopy d;
-  d.layer_start = g.layer_start;
   d.num_components = g.num_components;
   d.head_bytes = g.head_bytes;
+  d.elem_bytes = g.elem_bytes;
   d.page_tokens = g.page_tokens;
   d.token_start = g.token_start;
   d.num_tokens = g.num_tokens;
   d.token_bytes = g.token_bytes;
   d.first_block = g.first_block;
-  d.stride_component = g.stride_component;
-  d.stride_page = g.stride_page;
-  d.stride_token = g.stride_token;
-  d.stride_head = g.stride_head;
+  d.head_start = g.head_start;
+  for (int k = 0; k < 2; ++k) {
+    const CompStrides& s = c.comp[k < g.num_components ? k : 0];
+    d.stride_page[k] = s.page;
+    d.stride_token[k] = s.token;
+    d.stride_head[k] = s.head;
+    d.stride_elem[k] = s.elem;
+    const bool run = c.head_run(k < g.num_components ? k : 0);
+    d.head_run[k] = run ? 1 : 0;
+    d.heads_contiguous[k] = run && (g.num_heads == 1 || s.head == g.head_bytes) ? 1 : 0;
+  }
   d.lo = lo;
   d.hi = lo + nbytes;
   const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
   d.row_first = d.lo / tokb;
   d.num_rows = (d.hi - 1) / tokb - d.row_first + 1;
-  d.layer_base = layer_base;
+  d.bases = bases;
   d.pages = pages;
   d.wire = wire;
   d.vector_ok = aligned ? 1 : 0;
-  d.heads_contiguous = g.heads_contiguous ? 1 : 0;
   return d;
 }
 
-// Whether 16-byte units line up on both sides: head_bytes and every stride
-// are multiples of 16, and so are every layer base and (wire - lo).
-inline bool row_copy_aligned(const Geometry& g, const void* const* layer_base, const void* wire,
-                             uint64_t lo) {
-  bool ok = g.head_bytes % 16 == 0 && g.stride_component % 16 == 0 && g.stride_page % 16 == 0 &&
-            g.stride_token % 16 == 0 && g.stride_head % 16 == 0 &&
-            (reinterpret_cast<uintptr_t>(wire) - lo) % 16 == 0;
+// Whether 16-byte units line up on both sides: every head is one run,
+// head_bytes and every stride are multiples of 16, and so are every base of a
+// layer in the range and (wire - lo).
+inline bool row_copy_aligned(const PlanInfo& p, const void* wire, uint64_t lo) {
+  const Geometry& g = p.g;
+  const CacheInfo& c = *p.cache;
+  bool ok = g.head_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(wire) - lo) % 16 == 0;
+  for (int k = 0; k < g.num_components && ok; ++k) {
+    const CompStrides& s = c.comp[k];
+    ok = c.head_run(k) && s.page % 16 == 0 && s.token % 16 == 0 && s.head % 16 == 0;
+  }
   for (int64_t l = g.layer_start; l < g.layer_end && ok; ++l) {
-    ok = reinterpret_cast<uintptr_t>(layer_base[l]) % 16 == 0;
+    for (int k = 0; k < g.num_components && ok; ++k) ok = c.at(l, k) % 16 == 0;
   }
   return ok;
 }

@@ -19,8 +19,45 @@ class CacheDesc:
         stride_token: int,
         stride_head: int,
         device: int,
+        elem_bytes: int = 0,
+        component_strides: list[int] = ...,
+        component_ptrs: list[int] = ...,
     ) -> None: ...
+    def open(self) -> tuple[int, str]: ...
 
+class Plan:
+    @property
+    def nbytes(self) -> int: ...
+
+def make_plan(
+    desc: CacheDesc,
+    block_table: Any,
+    token_start: int,
+    token_end: int,
+    layer_start: int,
+    layer_end: int,
+    head_start: int,
+    head_end: int,
+    writable: bool,
+) -> tuple[int, str, Plan | None]: ...
+def plan_pack(
+    plan: Plan,
+    wire_offset: int,
+    out: Any,
+    nbytes: int,
+    num_threads: int,
+    stream: int,
+    checksum: bool,
+) -> tuple[int, str, int]: ...
+def plan_unpack(
+    plan: Plan,
+    wire_offset: int,
+    src: Any,
+    nbytes: int,
+    num_threads: int,
+    stream: int,
+    expect: int | None,
+) -> tuple[int, str]: ...
 def pack(
     desc: CacheDesc,
     block_table: Any,
@@ -33,6 +70,8 @@ def pack(
     nbytes: int,
     num_threads: int,
     stream: int,
+    head_start: int = 0,
+    head_end: int = 0,
 ) -> tuple[int, str]: ...
 def unpack(
     desc: CacheDesc,
@@ -46,6 +85,8 @@ def unpack(
     nbytes: int,
     num_threads: int,
     stream: int,
+    head_start: int = 0,
+    head_end: int = 0,
 ) -> tuple[int, str]: ...
 def validate(
     desc: CacheDesc,
@@ -60,5 +101,6 @@ def validate(
 def wire_nbytes(
     desc: CacheDesc, token_start: int, token_end: int, layer_start: int, layer_end: int
 ) -> int: ...
+def xxh3_64(data: Any) -> int: ...
 def cuda_device_count() -> int: ...
 def status_name(status: int) -> str: ...

@@ -181,6 +181,7 @@ _STATUS: dict[int, type[KVBridgeError]] = {
     -12: Cancelled,  # KVB_ERR_CANCELLED
     -13: PeerGone,  # KVB_ERR_PEER
     -14: IncompatiblePeer,  # KVB_ERR_INCOMPATIBLE
+    -15: ChecksumError,  # KVB_ERR_CHECKSUM
 }
 
 

@@ -21,7 +21,7 @@ LAYERS: list[tuple[set[str], bool]] = [
     ({"errors"}, False),
     ({"_waits", "models"}, False),
     ({"layout", "_core", "_ucx"}, False),  # the compiled extensions know no Python layer
-    ({"pack"}, False),
+    ({"pack", "_pack"}, True),  # the public face and its implementation
     ({"wire", "cache", "router", "handoff"}, False),  # the sans-IO core (+ the handoff driver)
     ({"transport"}, False),
     ({"bridge"}, False),
@@ -31,7 +31,7 @@ LAYERS: list[tuple[set[str], bool]] = [
 ]
 
 # IO-free parts: no sockets, no event loop, no threads.
-SANS_IO = ["wire", "cache", "router", "layout", "pack", "handoff.messages", "handoff.relay",
+SANS_IO = ["wire", "cache", "router", "layout", "pack", "_pack", "handoff.messages", "handoff.relay",
            "handoff.main", "handoff.policy", "handoff.stream", "handoff.outputs",
            "handoff.params"]  # fmt: skip
 IO_MODULES = {"asyncio", "socket", "ssl", "uvloop", "selectors", "concurrent"}

@@ -93,7 +93,8 @@ def test_parsing_and_bad_input() -> None:
     assert (
         DType.parse("torch.bfloat16") is DType.BF16 and DType.parse("float8_e4m3fn").itemsize == 1
     )
-    assert MemoryOrder.parse("vllm") is MemoryOrder.KV_FIRST
+    with pytest.raises(LayoutError, match="from_vllm"):  # vLLM 0.26+ is not kv_first
+        MemoryOrder.parse("vllm")
     assert HeadOrder.parse("hnd") is HeadOrder.HND
     for bad in ("int4", "complex64"):
         with pytest.raises(LayoutError):

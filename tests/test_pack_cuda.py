@@ -155,3 +155,42 @@ def test_cuda_kv_source_and_sink_round_trip() -> None:
         sink.write(off, got)
     sink.flush()
     assert ref_pack(recv, bt, start, end).cpu().numpy().tobytes() == ref
+
+
+def test_cuda_range_reused_across_chunks_and_streams() -> None:
+    """A range made once (its block table staged to the device once) packs and
+    unpacks many chunks; vLLM's strided views and head sub-ranges on the GPU."""
+    from kvbridge.testing.engine_caches import vllm_kv_caches
+
+    caches = vllm_kv_caches(
+        num_layers=3, num_blocks=12, num_kv_heads=4, block_size=16, head_size=64,
+        dtype=torch.bfloat16, layout="BLNHC", device="cuda:0",
+    )  # fmt: skip
+    flat = torch.empty(0, dtype=torch.uint8, device="cuda:0").set_(caches[0].untyped_storage())
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, device="cuda:0"))
+    cache = PagedKVCache.from_vllm(caches, model_kv_heads=4)
+    bt = torch.randperm(12, generator=torch.Generator().manual_seed(5))
+    for heads in [None, (1, 3)]:
+        rng = cache.range(bt, 9, 12 * 16 - 4, heads=heads)
+        ref = ref_pack(cache, bt, 9, 12 * 16 - 4, heads=heads)
+        out = torch.empty(rng.nbytes, dtype=torch.uint8, device="cuda:0")
+        step = rng.nbytes // 5 + 7
+        stream = torch.cuda.Stream()
+        for off in range(0, rng.nbytes, step):
+            n = min(step, rng.nbytes - off)
+            rng.pack(out[off : off + n], offset=off, nbytes=n, stream=stream)
+        stream.synchronize()
+        assert torch.equal(out.cpu(), ref)
+        other = vllm_kv_caches(
+            num_layers=3, num_blocks=12, num_kv_heads=4, block_size=16, head_size=64,
+            dtype=torch.bfloat16, layout="LBHNC", device="cuda:0",
+        )  # fmt: skip
+        dst = PagedKVCache.from_vllm(other)
+        into = dst.range(bt, 9, 12 * 16 - 4, heads=heads)
+        for off in reversed(range(0, rng.nbytes, step)):
+            n = min(step, rng.nbytes - off)
+            into.unpack(out[off : off + n], offset=off)
+        torch.cuda.synchronize()
+        assert torch.equal(ref_pack(dst, bt, 9, 12 * 16 - 4, heads=heads), ref)
+    with pytest.raises(errors.Unavailable):
+        cache.range(bt, 0, 16).pack(checksum=True)

@@ -210,8 +210,26 @@ def test_wrong_shapes() -> None:
     wrong_heads = (2, 3, 4, 3, 4)  # [2, P, pt, H=3, D]
     with pytest.raises(errors.ShapeError):
         PagedKVCache(LAYOUT, [np.zeros(wrong_heads, np.float16)] * 2)
-    with pytest.raises(errors.ShapeError):  # not contiguous
-        PagedKVCache(LAYOUT, [np.zeros((2, 3, 4, 2, 8), np.float16)[..., ::2]] * 2)
+    with pytest.raises(errors.ShapeError):  # negative strides
+        PagedKVCache(LAYOUT, [np.zeros(good, np.float16)[:, ::-1]] * 2)
+
+
+def test_overlapping_strides_are_a_layout_error() -> None:
+    """A strided view whose distinct slots share bytes (torch's as_strided can
+    make one) is refused when the cache is built, before any byte moves."""
+    shape = LAYOUT.layer_shape(4)  # [2, 4, 4, 2, 4]
+
+    def views(strides: tuple[int, ...]) -> list[torch.Tensor]:
+        return [torch.as_strided(torch.zeros(4096, dtype=torch.float16), shape, strides)] * 2
+
+    # Tokens 4 elements apart, but a token's two heads span 8: they overlap.
+    with pytest.raises(errors.LayoutError, match="overlap"):
+        PagedKVCache(LAYOUT, views((256, 64, 4, 4, 1)))
+    # K and V 16 elements apart, inside one page's 32: they overlap.
+    with pytest.raises(errors.LayoutError, match="overlap"):
+        PagedKVCache(LAYOUT, views((16, 64, 8, 4, 1)))
+    PagedKVCache(LAYOUT, views((32, 64, 8, 4, 1)))  # K and V pages interleaved: fine
+    PagedKVCache(LAYOUT, views((512, 128, 16, 4, 1)))  # padded between tokens: fine
 
 
 def test_mixed_backends_and_bad_inputs() -> None:

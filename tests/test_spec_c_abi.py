@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ["status", "validate", "runs", "thread_pool", "pack_cpu", "pack_cuda_absent"]
+CORE = [
+    "status",
+    "validate",
+    "runs",
+    "thread_pool",
+    "xxh3",
+    "plan",
+    "pack_cpu",
+    "pack_cuda_absent",
+]
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("cc") and shutil.which("c++")), reason="no C/C++ compiler here"

@@ -15,13 +15,15 @@
 #include "geometry.h"
 #include "kvbridge/pack.h"
 #include "wire_map.h"
+#include "xxh3.h"
 
 namespace {
 
 int g_failures = 0;
 int g_checks = 0;
-int g_vector_runs = 0;  // emulated kernel calls on the 16-byte path
-int g_byte_runs = 0;    // ... on the byte path
+int g_vector_runs = 0;   // emulated kernel calls on the 16-byte path
+int g_byte_runs = 0;     // ... on the byte path
+int g_packed_cases = 0;  // ABI 2 caches with K and V side by side in each slot
 
 #define CHECK(cond, ...)                                                   \
   do {                                                                     \
@@ -160,23 +162,29 @@ Case make_case(std::mt19937_64& rng, Order order, bool stacked, int64_t pt, bool
 
 // Runs the CUDA kernel's per-row copy on the CPU for the slice [lo, lo + n).
 template <bool kPack>
-void emulate_kernel(const Case& k, uint64_t lo, uint8_t* wire, uint64_t n, uint32_t lanes) {
-  kvb::Geometry g;
-  int rc = kvb::validate(&k.cache.desc, &k.range, lo, n, wire, true,
-                         kPack ? kvb::Access::kRead : kvb::Access::kWrite, &g);
+void emulate_kernel_desc(const kvb_cache_desc& desc, const kvb_range& range, uint64_t lo,
+                         uint8_t* wire, uint64_t n, uint32_t lanes) {
+  kvb::CacheInfo c;
+  kvb::PlanInfo p;
+  int rc = kvb::check_cache(&desc, &c);
+  if (rc == KVB_OK) {
+    rc = kvb::check_range(c, &range, kPack ? kvb::Access::kRead : kvb::Access::kWrite, &p);
+  }
+  if (rc == KVB_OK) rc = kvb::check_slice(p, lo, n, wire, true);
   CHECK(rc == KVB_OK, "validate: %s", kvb_last_error());
   if (rc != KVB_OK || n == 0) return;
-  std::vector<uint64_t> ptrs;
-  for (int64_t l = g.layer_start; l < g.layer_end; ++l) {
-    ptrs.push_back(reinterpret_cast<uintptr_t>(k.cache.bases[static_cast<size_t>(l)]));
-  }
-  const bool aligned = kvb::row_copy_aligned(g, k.cache.desc.layer_base, wire, lo);
+  std::vector<uint64_t> bases(c.base.begin() + p.g.layer_start * c.num_components, c.base.end());
+  const bool aligned = kvb::row_copy_aligned(p, wire, lo);
   ++(aligned ? g_vector_runs : g_byte_runs);
-  const kvb::RowCopy d =
-      kvb::make_row_copy(g, lo, n, ptrs.data(), k.bt.data() + g.first_block, wire, aligned);
+  const kvb::RowCopy d = kvb::make_row_copy(p, lo, n, bases.data(), p.pages.data(), wire, aligned);
   for (uint64_t i = 0; i < d.num_rows; ++i)
     for (uint32_t lane = 0; lane < lanes; ++lane)
       kvb::copy_row<kPack>(d, d.row_first + i, lane, lanes);
+}
+
+template <bool kPack>
+void emulate_kernel(const Case& k, uint64_t lo, uint8_t* wire, uint64_t n, uint32_t lanes) {
+  emulate_kernel_desc<kPack>(k.cache.desc, k.range, lo, wire, n, lanes);
 }
 
 void test_roundtrips() {
@@ -412,10 +420,376 @@ void test_threads() {
   }
 }
 
+// ---- ABI 2: random descriptors with per-component strides, strided head
+// elements, separate component bases and head sub-ranges, through plans.
+struct V2Cache {
+  int32_t L, C, H;
+  int64_t E, eb, pt, P;
+  std::vector<std::vector<uint8_t>> blocks;  // one allocation per (layer, component)
+  std::vector<void*> bases;
+  std::vector<std::pair<size_t, int64_t>> where;  // (block, offset) of each base
+  std::vector<int64_t> strides;                   // C x {page, token, head, elem}
+  kvb_cache_desc desc{};
+
+  uint8_t* addr(int32_t l, int32_t c, int64_t page, int64_t slot, int64_t h, int64_t e) const {
+    const int64_t* s = &strides[static_cast<size_t>(4 * c)];
+    return static_cast<uint8_t*>(bases[static_cast<size_t>(l * C + c)]) + page * s[0] +
+           slot * s[1] + h * s[2] + e * s[3];
+  }
+};
+
+V2Cache make_v2(std::mt19937_64& rng) {
+  V2Cache v;
+  v.L = 1 + static_cast<int32_t>(rng() % 3);
+  v.C = 1 + static_cast<int32_t>(rng() % 2);
+  v.H = 1 + static_cast<int32_t>(rng() % 4);
+  v.E = 1 + static_cast<int64_t>(rng() % 5);
+  const int64_t ebs[] = {1, 2, 4};
+  v.eb = ebs[rng() % 3];
+  v.pt = 1 + static_cast<int64_t>(rng() % 6);
+  v.P = 3 + static_cast<int64_t>(rng() % 6);
+  int64_t extent = 0;
+  // Sometimes K and V side by side in each slot, as vLLM packs them.
+  const bool packed = v.C == 2 && rng() % 3 == 0;
+  g_packed_cases += packed ? 1 : 0;
+  for (int32_t c = 0; c < v.C; ++c) {
+    if (packed && c == 1) {
+      for (int i = 0; i < 4; ++i) v.strides.push_back(v.strides[static_cast<size_t>(i)]);
+      break;
+    }
+    // A random physical order of (page, token, head, element), dense plus padding.
+    int order[4] = {0, 1, 2, 3};
+    std::shuffle(order, order + 4, rng);
+    const int64_t count[4] = {v.P, v.pt, v.H, v.E};
+    int64_t st[4] = {0, 0, 0, 0};
+    int64_t cur = v.eb;
+    if (packed) {  // elements innermost, then the two components
+      std::rotate(order, std::find(order, order + 4, 3), order + 4);
+      std::rotate(order, order + 1, order + 4);  // element last
+      st[3] = v.eb;
+      cur = 2 * v.E * v.eb;
+    }
+    for (int i = packed ? 2 : 3; i >= 0; --i) {
+      const int ax = order[i];
+      st[ax] = cur + v.eb * static_cast<int64_t>(rng() % 2);  // sometimes padded
+      cur = st[ax] * count[ax];
+    }
+    for (int64_t x : st) v.strides.push_back(x);
+    extent = std::max(extent, cur);
+  }
+  for (int32_t l = 0; l < v.L; ++l) {
+    for (int32_t c = 0; c < v.C; ++c) {
+      v.blocks.emplace_back(static_cast<size_t>(extent + 64));
+      for (auto& b : v.blocks.back()) b = static_cast<uint8_t>(rng());
+      if (packed && c == 1) {  // V right after K in the layer's block
+        v.where.emplace_back(v.where.back().first, v.where.back().second + v.E * v.eb);
+      } else {
+        v.where.emplace_back(v.blocks.size() - 1, static_cast<int64_t>(rng() % 7));
+      }
+      v.bases.push_back(v.blocks[v.where.back().first].data() + v.where.back().second);
+    }
+  }
+  kvb_cache_desc& d = v.desc;
+  d.abi_version = KVB_ABI_VERSION;
+  d.num_layers = v.L;
+  d.num_components = v.C;
+  d.num_heads = v.H;
+  d.head_bytes = v.E * v.eb;
+  d.page_tokens = v.pt;
+  d.num_pages = v.P;
+  d.layer_base = nullptr;
+  d.device = -1;
+  d.elem_bytes = v.eb;
+  d.component_strides = v.strides.data();
+  d.component_base = v.bases.data();
+  return v;
+}
+
+std::vector<uint8_t> v2_ref(const V2Cache& v, const std::vector<int32_t>& bt, const kvb_range& r) {
+  const int64_t h0 = r.head_start, h1 = r.head_end == 0 ? v.H : r.head_end;
+  std::vector<uint8_t> out;
+  for (int32_t l = r.layer_start; l < r.layer_end; ++l)
+    for (int32_t c = 0; c < v.C; ++c)
+      for (int64_t t = r.token_start; t < r.token_end; ++t)
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t e = 0; e < v.E; ++e) {
+            const uint8_t* p = v.addr(l, c, bt[static_cast<size_t>(t / v.pt)], t % v.pt, h, e);
+            out.insert(out.end(), p, p + v.eb);
+          }
+  return out;
+}
+
+void test_v2_plans() {
+  std::mt19937_64 rng(2026);
+  int cases = 0;
+  for (int rep = 0; rep < 300; ++rep) {
+    V2Cache v = make_v2(rng);
+    kvb_cache* cache = nullptr;
+    int rc = kvb_cache_create(&v.desc, &cache);
+    CHECK(rc == KVB_OK, "cache_create: %s", kvb_last_error());
+    if (rc != KVB_OK) continue;
+    std::vector<int32_t> bt(static_cast<size_t>(v.P));
+    std::iota(bt.begin(), bt.end(), 0);
+    std::shuffle(bt.begin(), bt.end(), rng);
+    const int64_t max_tok = v.P * v.pt;
+    kvb_range r{};
+    r.token_start = static_cast<int64_t>(rng() % static_cast<uint64_t>(max_tok));
+    r.token_end = r.token_start +
+                  static_cast<int64_t>(rng() % static_cast<uint64_t>(max_tok - r.token_start + 1));
+    r.layer_start = static_cast<int32_t>(rng() % static_cast<uint64_t>(v.L));
+    r.layer_end = r.layer_start + 1 +
+                  static_cast<int32_t>(rng() % static_cast<uint64_t>(v.L - r.layer_start));
+    if (rng() % 2) {
+      r.head_start = static_cast<int32_t>(rng() % static_cast<uint64_t>(v.H));
+      r.head_end = r.head_start + 1 +
+                   static_cast<int32_t>(rng() % static_cast<uint64_t>(v.H - r.head_start));
+    }
+    r.block_table = bt.data();
+    r.block_table_len = static_cast<int64_t>(bt.size());
+    const std::vector<uint8_t> ref = v2_ref(v, bt, r);
+    kvb_plan* plan = nullptr;
+    rc = kvb_plan_create(cache, &r, KVB_PLAN_WRITE, &plan);
+    CHECK(rc == KVB_OK, "plan_create: %s", kvb_last_error());
+    if (rc != KVB_OK) {
+      kvb_cache_destroy(cache);
+      continue;
+    }
+    ++cases;
+    const uint64_t total = kvb_plan_wire_nbytes(plan);
+    CHECK(total == ref.size(), "plan wire bytes %llu != %zu", (unsigned long long)total,
+          ref.size());
+    CHECK(kvb_wire_nbytes(&v.desc, &r) == ref.size(), "kvb_wire_nbytes with a head range");
+    // Whole, sliced, with and without checksum; the kernel's math.
+    std::vector<uint64_t> cuts{0, total};
+    for (int i = 0; i < 4 && total > 0; ++i) cuts.push_back(rng() % (total + 1));
+    std::sort(cuts.begin(), cuts.end());
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      const uint64_t a = cuts[i], n = cuts[i + 1] - cuts[i];
+      std::vector<uint8_t> part(n + 1, 0xCD);
+      uint64_t digest = 0;
+      kvb_exec ex{static_cast<int32_t>(rng() % 3), 0};
+      rc = kvb_plan_pack_cpu(plan, a, part.data(), n, &ex, (i % 2) ? &digest : nullptr);
+      CHECK(rc == KVB_OK, "plan pack: %s", kvb_last_error());
+      CHECK(std::equal(part.begin(), part.begin() + static_cast<long>(n),
+                       ref.begin() + static_cast<long>(a)),
+            "v2 slice [%llu,+%llu) differs", (unsigned long long)a, (unsigned long long)n);
+      CHECK(part[n] == 0xCD, "v2 pack wrote past the slice");
+      if (i % 2) CHECK(digest == kvb_xxh3_64(part.data(), n), "digest of the packed slice");
+      std::vector<uint8_t> kw(n + 32, 0);
+      uint8_t* dst = kw.data() + (a + rep) % 16;
+      emulate_kernel_desc<true>(v.desc, r, a, dst, n, 1 + static_cast<uint32_t>(rep % 4));
+      CHECK(std::equal(dst, dst + n, ref.begin() + static_cast<long>(a)), "v2 kernel emulation");
+    }
+    // Unpack the slices, shuffled, into a twin with its own bytes; verify with
+    // checksums (one of them wrong first).
+    V2Cache w = v;
+    for (size_t i = 0; i < w.blocks.size(); ++i) {
+      for (auto& b : w.blocks[i]) b = static_cast<uint8_t>(rng());
+      w.bases[i] = w.blocks[w.where[i].first].data() + w.where[i].second;
+    }
+    w.desc.component_base = w.bases.data();
+    w.desc.component_strides = w.strides.data();
+    const std::vector<std::vector<uint8_t>> w_before = w.blocks;
+    kvb_cache* wc = nullptr;
+    CHECK(kvb_cache_create(&w.desc, &wc) == KVB_OK, "twin cache: %s", kvb_last_error());
+    kvb_plan* wp = nullptr;
+    CHECK(kvb_plan_create(wc, &r, KVB_PLAN_WRITE, &wp) == KVB_OK, "twin plan: %s",
+          kvb_last_error());
+    std::vector<size_t> idx(cuts.size() - 1);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::shuffle(idx.begin(), idx.end(), rng);
+    for (size_t i : idx) {
+      const uint64_t a = cuts[i], n = cuts[i + 1] - cuts[i];
+      const uint8_t* chunk = ref.data() + a;
+      const uint64_t sum = kvb_xxh3_64(chunk, n);
+      if (n > 0) {
+        const uint64_t wrong = sum ^ 1;
+        CHECK(kvb_plan_unpack_cpu(wp, a, chunk, n, nullptr, &wrong) == KVB_ERR_CHECKSUM,
+              "a wrong checksum is refused");
+      }
+      CHECK(kvb_plan_unpack_cpu(wp, a, chunk, n, nullptr, &sum) == KVB_OK, "v2 unpack: %s",
+            kvb_last_error());
+    }
+    CHECK(v2_ref(w, bt, r) == ref, "v2 unpack round trip differs");
+    // Bytes outside the range's slots are untouched: rebuild the expectation.
+    std::vector<std::vector<uint8_t>> expect = w_before;
+    {
+      V2Cache e = w;
+      e.blocks = expect;
+      for (size_t i = 0; i < e.blocks.size(); ++i) {
+        e.bases[i] = e.blocks[e.where[i].first].data() + e.where[i].second;
+      }
+      const int64_t h0 = r.head_start, h1 = r.head_end == 0 ? v.H : r.head_end;
+      size_t pos = 0;
+      for (int32_t l = r.layer_start; l < r.layer_end; ++l)
+        for (int32_t c = 0; c < v.C; ++c)
+          for (int64_t t = r.token_start; t < r.token_end; ++t)
+            for (int64_t h = h0; h < h1; ++h)
+              for (int64_t el = 0; el < v.E; ++el, pos += static_cast<size_t>(v.eb)) {
+                std::memcpy(e.addr(l, c, bt[static_cast<size_t>(t / v.pt)], t % v.pt, h, el),
+                            ref.data() + pos, static_cast<size_t>(v.eb));
+              }
+      CHECK(e.blocks == w.blocks, "v2 unpack wrote outside the range's slots");
+    }
+    // A read plan cannot unpack.
+    kvb_plan* ro = nullptr;
+    CHECK(kvb_plan_create(cache, &r, KVB_PLAN_READ, &ro) == KVB_OK, "read plan");
+    if (total > 0) {
+      CHECK(kvb_plan_unpack_cpu(ro, 0, ref.data(), 1, nullptr, nullptr) == KVB_ERR_INVALID_ARG,
+            "unpack with a read plan");
+    }
+    kvb_plan_destroy(ro);
+    kvb_plan_destroy(wp);
+    kvb_cache_destroy(wc);
+    kvb_plan_destroy(plan);
+    kvb_cache_destroy(cache);
+  }
+  CHECK(cases > 250, "v2 cases run: %d", cases);
+  CHECK(g_packed_cases > 20, "packed K|V cases run: %d", g_packed_cases);
+}
+
+void test_v2_errors() {
+  std::mt19937_64 rng(5);
+  V2Cache v = make_v2(rng);
+  v.desc.num_heads = 3;
+  v = make_v2(rng);
+  kvb_cache* cache = nullptr;
+  expect(kvb_cache_create(nullptr, &cache), KVB_ERR_INVALID_ARG, "null desc");
+  expect(kvb_cache_create(&v.desc, nullptr), KVB_ERR_INVALID_ARG, "null out");
+  {
+    kvb_cache_desc bad = v.desc;
+    bad.elem_bytes = v.eb * v.E + 1;
+    expect(kvb_cache_create(&bad, &cache), KVB_ERR_LAYOUT, "elem_bytes not dividing head_bytes");
+    CHECK(cache == nullptr, "no handle on error");
+    std::vector<int64_t> s = v.strides;
+    s[1] = 0;  // token stride 0 with several tokens per page: slots overlap
+    bad = v.desc;
+    bad.component_strides = s.data();
+    if (v.pt > 1) expect(kvb_cache_create(&bad, &cache), KVB_ERR_LAYOUT, "overlapping strides");
+  }
+  {
+    // K and V of a layer on the same bytes.
+    std::vector<uint8_t> mem(4096);
+    void* b[2] = {mem.data(), mem.data() + 8};
+    int64_t st[8] = {256, 64, 16, 2, 256, 64, 16, 2};
+    kvb_cache_desc d{};
+    d.abi_version = KVB_ABI_VERSION;
+    d.num_layers = 1;
+    d.num_components = 2;
+    d.num_heads = 4;
+    d.head_bytes = 16;
+    d.page_tokens = 4;
+    d.num_pages = 4;
+    d.elem_bytes = 2;
+    d.component_strides = st;
+    d.component_base = b;
+    d.device = -1;
+    expect(kvb_cache_create(&d, &cache), KVB_ERR_LAYOUT, "aliased K and V");
+    b[1] = mem.data() + 1024;
+    expect(kvb_cache_create(&d, &cache), KVB_OK, "K and V apart");
+    int32_t bt[4] = {0, 1, 2, 3};
+    kvb_range r{};
+    r.token_end = 16;
+    r.layer_end = 1;
+    r.block_table = bt;
+    r.block_table_len = 4;
+    kvb_plan* plan = nullptr;
+    for (auto hr : {std::pair<int, int>{0, 5}, {2, 2}, {3, 1}, {-1, 2}}) {
+      r.head_start = hr.first;
+      r.head_end = hr.second;
+      expect(kvb_plan_create(cache, &r, KVB_PLAN_WRITE, &plan), KVB_ERR_INVALID_ARG,
+             "head range outside the cache");
+      CHECK(plan == nullptr, "no plan on error");
+    }
+    r.head_start = 1;
+    r.head_end = 3;
+    expect(kvb_plan_create(cache, &r, 7, &plan), KVB_ERR_INVALID_ARG, "bad flags");
+    expect(kvb_plan_create(nullptr, &r, KVB_PLAN_READ, &plan), KVB_ERR_INVALID_ARG, "null cache");
+    expect(kvb_plan_create(cache, &r, KVB_PLAN_READ, &plan), KVB_OK, "head range plan");
+    CHECK(kvb_plan_wire_nbytes(plan) == 2ull * 16 * 2 * 16, "head range bytes");
+    std::vector<uint8_t> w(kvb_plan_wire_nbytes(plan));
+    expect(kvb_plan_pack_cpu(plan, 1, w.data(), w.size(), nullptr, nullptr), KVB_ERR_INVALID_ARG,
+           "plan slice past the end");
+    expect(kvb_plan_pack_cpu(nullptr, 0, w.data(), w.size(), nullptr, nullptr), KVB_ERR_INVALID_ARG,
+           "null plan");
+    expect(kvb_plan_pack_cpu(plan, 0, mem.data() + 100, 64, nullptr, nullptr), KVB_ERR_OVERLAP,
+           "wire inside the cache");
+    expect(kvb_plan_pack_cuda(plan, 0, w.data(), w.size(), nullptr),
+#ifdef KVBRIDGE_HAS_CUDA
+           KVB_ERR_INVALID_ARG,
+#else
+           KVB_ERR_UNAVAILABLE,
+#endif
+           "CPU plan on the CUDA path");
+    kvb_plan_destroy(plan);
+    kvb_cache_destroy(cache);
+    kvb_plan_destroy(nullptr);
+    kvb_cache_destroy(nullptr);
+    CHECK(kvb_plan_wire_nbytes(nullptr) == 0, "wire bytes of no plan");
+  }
+  {
+    // An ABI 1 descriptor (the struct without the ABI 2 fields) goes through
+    // kvb_cache_create unchanged, and its range's head fields are not read.
+    std::mt19937_64 r2(9);
+    Case k = make_case(r2, Order::kPageFirstHND, false, 4, false);
+    k.cache.desc.abi_version = 1;
+    k.cache.desc.elem_bytes = 999;  // garbage past the ABI 1 struct: ignored
+    k.range.head_start = 7;
+    k.range.head_end = 3;
+    expect(kvb_cache_create(&k.cache.desc, &cache), KVB_OK, "ABI 1 descriptor");
+    kvb_plan* plan = nullptr;
+    expect(kvb_plan_create(cache, &k.range, KVB_PLAN_READ, &plan), KVB_OK, "ABI 1 range");
+    const auto& r = k.range;
+    const std::vector<uint8_t> ref =
+        ref_pack(k.cache, k.bt, r.token_start, r.token_end, r.layer_start, r.layer_end);
+    std::vector<uint8_t> w(ref.size());
+    expect(kvb_plan_pack_cpu(plan, 0, w.data(), w.size(), nullptr, nullptr), KVB_OK, "ABI 1 pack");
+    CHECK(w == ref, "ABI 1 plan bytes");
+    kvb_plan_destroy(plan);
+    kvb_cache_destroy(cache);
+  }
+}
+
+// Every stripe-loop kernel set gives the same digests, one-shot and streamed.
+void test_xxh3_kernels() {
+  std::mt19937_64 rng(77);
+  std::vector<uint8_t> data(70016);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  CHECK(kvb_xxh3_64(nullptr, 0) == 0x2D06800538D394C2ull, "XXH3-64 of nothing");
+  std::vector<uint64_t> want;
+  std::vector<size_t> sizes;
+  for (size_t n = 0; n < 2100; ++n) sizes.push_back(n);
+  for (size_t n : {4095, 4096, 4097, 16384, 16449, 65536, 69999}) sizes.push_back(n);
+  for (size_t n : sizes) want.push_back(kvb::xxh3_64(data.data() + (n % 7), n));
+  int sets = 0;
+  for (int which = 1; which <= 4; ++which) {
+    if (!kvb::xxh3_select_kernels(which)) continue;
+    ++sets;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const size_t n = sizes[i];
+      const uint8_t* p = data.data() + (n % 7);
+      CHECK(kvb::xxh3_64(p, n) == want[i], "kernel set %d, %zu bytes", which, n);
+      kvb::Xxh3Stream s;
+      size_t done = 0;
+      while (done < n) {
+        const size_t step = std::min<size_t>(n - done, 1 + rng() % 700);
+        s.update(p + done, step);
+        done += step;
+      }
+      CHECK(s.digest() == want[i], "kernel set %d streamed, %zu bytes", which, n);
+    }
+  }
+  kvb::xxh3_select_kernels(0);
+  CHECK(sets >= 2, "kernel sets tried: %d", sets);
+}
+
 }  // namespace
 
 int main() {
   test_roundtrips();
+  test_v2_plans();
+  test_v2_errors();
+  test_xxh3_kernels();
   CHECK(g_vector_runs > 100 && g_byte_runs > 100, "kernel paths: %d vector, %d byte", g_vector_runs,
         g_byte_runs);
   test_errors();

@@ -22,8 +22,9 @@ typedef enum kvb_status {
   KVB_ERR_INTERNAL = -10,   /* an exception escaped the core: a bug */
   KVB_ERR_TIMEOUT = -11,
   KVB_ERR_CANCELLED = -12,
-  KVB_ERR_PEER = -13,        /* the peer is gone */
-  KVB_ERR_INCOMPATIBLE = -14 /* peer metadata does not fit ours */
+  KVB_ERR_PEER = -13,         /* the peer is gone */
+  KVB_ERR_INCOMPATIBLE = -14, /* peer metadata does not fit ours */
+  KVB_ERR_CHECKSUM = -15      /* data does not match its expected XXH3-64 (ABI 2) */
 } kvb_status;
 
 /* Human-readable name of a status code ("KVB_ERR_OUT_OF_RANGE"). */

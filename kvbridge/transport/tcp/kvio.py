@@ -158,7 +158,11 @@ class _KVBase:
         self.block_table = block_table
         self.start, self.end = start, end
         self.layers = (l0, l1)
-        self.nbytes = int(_pack.wire_nbytes(layout, start, end, (l0, l1)))
+        # Checked once (block table converted once); each chunk checks only its slice.
+        self.range = cache.range(
+            block_table, start, end, layers=(l0, l1), writable=isinstance(self, KVSink)
+        )
+        self.nbytes = int(self.range.nbytes)
         self.itemsize = layout.itemsize
         self.layout_hash = layout.compat_hash
         self.token_range = (start, end)
@@ -194,10 +198,7 @@ class KVSource(_KVBase):
         self._pack_to(np.frombuffer(out, dtype=np.uint8), offset, len(out))
 
     def _pack_to(self, out: Any, offset: int, n: int) -> None:
-        self._pack.pack(
-            self.cache, self.block_table, self.start, self.end,
-            layers=self.layers, out=out, offset=offset, nbytes=n,
-        )  # fmt: skip
+        self.range.pack(out, offset=offset, nbytes=n)
 
 
 class KVSink(_KVBase):
@@ -214,15 +215,7 @@ class KVSink(_KVBase):
             stage = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
             stage.numpy()[:] = src
             src = stage
-        self._pack.unpack(
-            self.cache,
-            self.block_table,
-            self.start,
-            self.end,
-            src,
-            layers=self.layers,
-            offset=offset,
-        )
+        self.range.unpack(src, offset=offset)
         if cuda:
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
 

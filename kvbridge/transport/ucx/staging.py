@@ -179,6 +179,10 @@ class Staging:
             )
             host.post_message(peer, req)
             cache = self._paged_cache()
+            if hasattr(cache, "range"):  # a PagedKVCache checks the range once
+                pack_at = cache.range(bt, start, end, layers=(l0, l1)).pack
+            else:  # a stand-in packer packs per call
+                pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1))
             done = 0
             while not h.done():
                 ready = await q.get()
@@ -188,11 +192,7 @@ class Staging:
                 if n <= 0 and total > 0:
                     raise RemoteProtocolError("peer offered an empty staging slot")
                 out = self.buffer[slot : slot + n]
-                await self._in_thread(
-                    functools.partial(
-                        pack, cache, bt, start, end, layers=(l0, l1), out=out, offset=done, nbytes=n
-                    )
-                )
+                await self._in_thread(functools.partial(pack_at, out=out, offset=done, nbytes=n))
                 last = done + n >= total
                 chunk = Message(
                     Kind.STAGE_CHUNK,
@@ -247,6 +247,11 @@ class Staging:
             if req.nbytes != expected:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
+            bt, layers = ex.block_table, (req.l0, req.l1)
+            if hasattr(cache, "range"):  # a PagedKVCache checks the range once
+                unpack_at = cache.range(bt, req.start, req.end, layers=layers).unpack
+            else:  # a stand-in packer unpacks per call
+                unpack_at = functools.partial(unpack, cache, bt, req.start, req.end, layers=layers)
             got = 0
             while not h.done():
                 ready = Message(
@@ -266,18 +271,7 @@ class Staging:
                 ):
                     raise RemoteProtocolError("staging chunk out of order or too large")
                 src = self.buffer[slot : slot + chunk.length]
-                await self._in_thread(
-                    functools.partial(
-                        unpack,
-                        cache,
-                        ex.block_table,
-                        req.start,
-                        req.end,
-                        src,
-                        layers=(req.l0, req.l1),
-                        offset=chunk.offset,
-                    )
-                )
+                await self._in_thread(functools.partial(unpack_at, src, offset=chunk.offset))
                 got += chunk.length
                 h.stats.chunks += 1
                 h.stats.bytes += chunk.length

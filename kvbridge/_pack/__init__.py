@@ -1,0 +1,1 @@
+"""The implementation of :mod:`kvbridge.pack` (import from there)."""
