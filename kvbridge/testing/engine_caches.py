@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgument, LayoutError
+
 __all__ = [
     "VLLM_LAYOUTS",
     "read_sglang",
@@ -100,11 +102,11 @@ def vllm_kv_caches(
     # create_kv_cache_views, with the kernel block split.
     kbs = block_size if kernel_block_size is None else kernel_block_size
     if block_size % kbs:
-        raise ValueError(f"kernel block size {kbs} must divide block size {block_size}")
+        raise LayoutError(f"kernel block size {kbs} must divide block size {block_size}")
     ratio = block_size // kbs
     if ratio > 1:
         if block_stride != page:
-            raise ValueError(f"{layout} does not store blocks as dense pages: cannot split them")
+            raise LayoutError(f"{layout} does not store blocks as dense pages: cannot split them")
         block_stride //= ratio
     shape = (num_layers, num_blocks * ratio, heads, kbs, content)
     strides = _layout_strides(shape, order, (layer_stride, block_stride, None, None, None))
@@ -141,7 +143,7 @@ def write_vllm(
             key_t[blocks, :, :, offs] = k[layer]
             value[blocks, :, offs, :] = v[layer]
         else:
-            raise ValueError(f"unknown kv_split {kv_split!r}")
+            raise InvalidArgument(f"unknown kv_split {kv_split!r}")
 
 
 def read_vllm(
@@ -187,7 +189,7 @@ def sglang_mha_buffers(
     rows = size + page_size
     if hnd:
         if rows % page_size:
-            raise ValueError("HND needs (size + page_size) divisible by page_size")
+            raise LayoutError("HND needs (size + page_size) divisible by page_size")
         shape: tuple[int, ...] = (rows // page_size, head_num, page_size, head_dim)
         padded = shape[0]
     else:

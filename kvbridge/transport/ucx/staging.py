@@ -110,6 +110,13 @@ class Staging:
             self._packer = mod
         return self._packer
 
+    @property
+    def _ranges(self) -> bool:
+        """Whether the packer is kvbridge.pack (whose caches make checked ranges),
+        not a stand-in that packs per call (the torch reference, a test's)."""
+        mod = self.pack_module()
+        return getattr(mod, "__name__", "") == f"{__name__.split('.')[0]}.pack"
+
     def require(self, peer: UcxPeer) -> None:
         if self.buffer is None or peer.staging_index is None:
             raise Unavailable("the staging path needs a staging buffer on both agents")
@@ -179,8 +186,8 @@ class Staging:
             )
             host.post_message(peer, req)
             cache = self._paged_cache()
-            if hasattr(cache, "range"):  # a PagedKVCache checks the range once
-                pack_at = cache.range(bt, start, end, layers=(l0, l1)).pack
+            if self._ranges:  # kvbridge.pack checks the range once
+                pack_at = cache.range(bt, start, end, layers=(l0, l1), writable=False).pack
             else:  # a stand-in packer packs per call
                 pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1))
             done = 0
@@ -248,7 +255,7 @@ class Staging:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
             bt, layers = ex.block_table, (req.l0, req.l1)
-            if hasattr(cache, "range"):  # a PagedKVCache checks the range once
+            if self._ranges:  # kvbridge.pack checks the range once
                 unpack_at = cache.range(bt, req.start, req.end, layers=layers).unpack
             else:  # a stand-in packer unpacks per call
                 unpack_at = functools.partial(unpack, cache, bt, req.start, req.end, layers=layers)
