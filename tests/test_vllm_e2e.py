@@ -26,7 +26,6 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("aiohttp
     pytest.skip("vLLM is not installed (make test-vllm runs these tests)", allow_module_level=True)
 
 from kvbridge.cli.vllm_cluster import (  # noqa: E402
-    ClusterSpec,
     Completion,
     VllmCluster,
     complete,
@@ -35,15 +34,11 @@ from kvbridge.cli.vllm_cluster import (  # noqa: E402
     post_json,
 )
 from kvbridge.integrations.vllm.model import prepare_model  # noqa: E402
+from vllm_e2e_spec import MD_BLOCK, e2e_spec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-# float32: vLLM's CPU kernels round differently for a one-token decode step and
-# a multi-token prefill; in bf16 that flips near-ties between equal
-# computations (docs/vllm.md, "Exactness"), in float32 it does not here
-DTYPE = "float32"
 BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in float32: 46080 B
-MD_BLOCK, P_BLOCK = 64, 32
 MAX_TOKENS = 24
 
 # a long shared prefix (several of the prompts start with it) and other prompts
@@ -101,21 +96,7 @@ def _tokenize(url: str, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: str, workdir: Path) -> Any:
-    spec = ClusterSpec(
-        model_dir=model_dir,
-        workdir=workdir,
-        p_block=P_BLOCK,
-        md_block=MD_BLOCK,
-        rld_block=P_BLOCK,
-        dtype=DTYPE,
-        num_blocks=256,
-        wan_rate_bps=2e8,
-        wan_rtt_ms=40,
-        md_policy="recompute",
-        rld_policy="fail",
-        recv_timeout_s=15.0,
-        proxy_args=["--relay-token-cap", "16", "--pipeline", "p-md", "--await-tickets-s", "10"],
-    )
+    spec = e2e_spec(model_dir, workdir)
     c = VllmCluster(spec)
     try:
         c.start()
