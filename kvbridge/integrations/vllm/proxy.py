@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ...errors import InvalidArgument
 from ...layout import DType, KVLayout
 from ...router import BandwidthEstimator, Pipeline, Router, RouterConfig
 from .prefix_estimate import PrefixEstimate
@@ -176,9 +177,9 @@ async def _sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
 class DisaggProxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         if cfg.pipeline not in ("auto", "p-md", "p-rld-md"):
-            raise ValueError(f"pipeline must be auto, p-md or p-rld-md, got {cfg.pipeline!r}")
+            raise InvalidArgument(f"pipeline must be auto, p-md or p-rld-md, got {cfg.pipeline!r}")
         if cfg.pipeline == "p-rld-md" and cfg.relay is None:
-            raise ValueError("pipeline p-rld-md needs a relay decode")
+            raise InvalidArgument("pipeline p-rld-md needs a relay decode")
         self.cfg = cfg
         layout = cfg.layout or KVLayout(
             30, 3, 64, dtype=DType.BF16, page_tokens=cfg.md_block_tokens
