@@ -46,6 +46,7 @@ from .hello import Hellos
 from .loader import DEFAULT_UCX_CONFIG, load, unavailable_reason
 from .messages import (
     MAX_HELLO_BLOB,
+    MAX_RID,
     Kind,
     Message,
     abort_code_v2,
@@ -56,7 +57,7 @@ from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
 from .progress import LoopProgress, Progress, ThreadProgress
 from .regions import Registration, map_engine_error
-from .runs import CacheGeometry, page_pieces, plan_args
+from .runs import CacheGeometry, check_table, plan_args
 from .staging import Staging
 
 __all__ = ["UcxAgent"]
@@ -66,6 +67,26 @@ _TINY = 2  # put_range: the runs are too short, nothing was posted
 
 # An op in flight: the handle it completes, or a callback (status) -> None.
 _OpEntry = TransferHandle | Callable[[int], None]
+
+
+class _EngineLedger:
+    """The engine's expectation table as the expectations' ledger."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def register(self, ex: Expect) -> None:
+        sender = ex.peer.agent_id if ex.peer is not None else b""
+        self._engine.expect(
+            ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender
+        )
+
+    def unregister(self, ex: Expect) -> None:
+        self._engine.unexpect(ex.token)
+
+    def mark(self, ex: Expect, l0: int, l1: int) -> int:
+        sender = ex.peer.agent_id if ex.peer is not None else b""
+        return int(self._engine.mark(ex.token, l0, l1, sender))
 
 
 class UcxAgent:
@@ -87,6 +108,8 @@ class UcxAgent:
         peer_timeout: float = 10.0,
         progress: str = "thread",
         busy_poll_us: int = 1000,
+        put_window: int = 64,
+        poll_yield_us: int = 20,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
@@ -107,6 +130,12 @@ class UcxAgent:
             raise InvalidArgument(f"progress must be 'thread' or 'loop', not {progress!r}")
         if not 0 <= busy_poll_us <= 1_000_000:
             raise InvalidArgument("busy_poll_us must be in [0, 1e6]")
+        if not 0 <= put_window <= 1 << 20:
+            raise InvalidArgument("put_window must be in [0, 2**20] (0: no limit)")
+        self.put_window = int(put_window)
+        if not 0 <= poll_yield_us <= 1_000_000:
+            raise InvalidArgument("poll_yield_us must be in [0, 1e6]")
+        self.poll_yield_us = int(poll_yield_us)
         self.progress_mode = progress
         self.busy_poll_us = int(busy_poll_us)
         self.heartbeat = float(heartbeat)
@@ -128,6 +157,9 @@ class UcxAgent:
         self.geometry = CacheGeometry(layout, reg.num_pages)
         self.agent_id = os.urandom(16)
         self.epoch = time.time_ns()
+        self._engine.set_agent_id(self.agent_id)  # the sender of its DONE messages
+        self._engine.set_put_window(self.put_window)
+        self._engine.set_yield_us(self.poll_yield_us)
         self._md = AgentMetadata(
             self.agent_id, self.epoch, layout, reg.num_pages, self._engine.address(), reg.regions
         )
@@ -149,7 +181,11 @@ class UcxAgent:
             staging_threads,
             packer,
         )
-        self.expectations = Expectations(self._reject, self.staging.start_recv)
+        self.expectations = Expectations(
+            self._reject, self.staging.start_recv, _EngineLedger(self._engine)
+        )
+        self._next_token = 1
+        self._in_events = False
         self._hellos = Hellos(self)
         self._peers: dict[bytes, UcxPeer] = {}
         self._by_ep: dict[int, UcxPeer] = {}
@@ -212,18 +248,28 @@ class UcxAgent:
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
-        if self.layout.order is MemoryOrder.STRIDED:  # the cache checks its own table
+        if self.layout.order is MemoryOrder.STRIDED:  # the cache maps its own block table
             self.cache.range(bt, start, end, layers=(l0, l1))  # raises PageIndexError
         else:
-            page_pieces(self.geometry, bt, start, end, (l0, l1))  # raises PageIndexError
+            check_table(self.geometry, bt, start, end)  # raises PageIndexError
         total = self.layout.wire_nbytes(end - start, (l0, l1))
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
-        ex = Expect(h, bt, start, end, l0, l1, peer, np.zeros(l1 - l0, dtype=bool))
+        ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token)
+        self._next_token += 1
         h.owner = ex
+        h.poller = self.poll_now
         self.expectations.add(ex)
-        if not h.done():
+        if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
         return h
+
+    def poll_now(self) -> None:
+        """Progress the worker once and account what arrived (``done()`` of
+        a handle in flight calls it: a polling caller needs no loop wake-up)."""
+        if self._closed or self._in_events or self._loop is None:
+            return
+        if self._engine.poll(0, 0, 0):
+            self._on_events()
 
     async def close(self) -> None:
         """Tell peers goodbye, fail what is in flight with Cancelled, release
@@ -287,6 +333,7 @@ class UcxAgent:
         peer = UcxPeer(self, md, ep, same_layout)
         self._peers[md.agent_id] = peer
         self._by_ep[ep] = peer
+        self._engine.add_peer(md.agent_id)  # its DONE messages may land in C++
         self._kick()
         return peer
 
@@ -295,6 +342,7 @@ class UcxAgent:
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
         self._by_ep.pop(peer.ep, None)
+        self._engine.remove_peer(peer.agent_id)
         if not self._closed:
             self._engine.disconnect(peer.ep)
 
@@ -348,21 +396,25 @@ class UcxAgent:
         end: int,
         l0: int,
         l1: int,
-        notify: bytes,
+        rid: str,
         min_mean_run: int,
-    ) -> tuple[int, int, int] | None:
+    ) -> tuple[int, int, int, int] | None:
         """Compute the coalesced runs of a range (in C++) and post them, their
-        flush and then ``notify``; progress inline for up to ``busy_poll_us``.
-        Returns (op, status, runs), or None when the mean run is shorter
-        than ``min_mean_run`` (nothing posted)."""
+        flush and then the DONE of ``rid`` (encoded in C++); progress inline
+        for up to ``busy_poll_us``.  Returns (op, status, runs, bytes), or
+        None when the mean run is shorter than ``min_mean_run`` (nothing
+        posted)."""
         if peer.plan is None:
             peer.plan = self._mod.RunPlan(
                 **plan_args(
                     self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids
                 )
             )
+        rid_bytes = rid.encode()
+        if len(rid_bytes) > MAX_RID:
+            raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
         try:
-            op, status, nruns, _ = self._engine.put_range(
+            op, status, nruns, nbytes = self._engine.put_range(
                 peer.ep,
                 peer.plan,
                 block_table,
@@ -371,7 +423,7 @@ class UcxAgent:
                 end,
                 l0,
                 l1,
-                notify,
+                rid_bytes,
                 min_mean_run,
                 self.busy_poll_us,
             )
@@ -383,7 +435,7 @@ class UcxAgent:
             raise map_engine_error(e, "UCX put") from None
         if status == _TINY:
             return None
-        return int(op), int(status), int(nruns)
+        return op, status, nruns, nbytes
 
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
         """``h`` completes with the put ``op`` (``status``: its outcome, or
@@ -393,6 +445,7 @@ class UcxAgent:
         elif status == _INPROGRESS:
             self._ops[op] = h
             h.arm()
+            h.poller = self.poll_now
             peer.track(h)
             self._kick()
         else:
@@ -464,7 +517,7 @@ class UcxAgent:
             self.staging.bind()
             if self.progress_mode == "thread":
                 self._progress = ThreadProgress(
-                    self._engine, loop, self._on_events, self.busy_poll_us
+                    self._engine, loop, self._on_events, self.busy_poll_us, self.poll_yield_us
                 )
             else:
                 self._progress = LoopProgress(self._engine, loop, self._on_events, self._busy)
@@ -496,13 +549,21 @@ class UcxAgent:
 
     def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError) -> None:
         peer.gone(exc)
+        self._engine.remove_peer(peer.agent_id)
         self.expectations.fail_peer(peer, peer.error or exc)
 
     # ---- events ------------------------------------------------------------------------------------
     def _on_events(self) -> None:
-        if self._closed:
+        if self._closed or self._in_events:
             return
-        results, failures, messages = self._engine.drain()
+        self._in_events = True
+        try:
+            self._events()
+        finally:
+            self._in_events = False
+
+    def _events(self) -> None:
+        results, failures, messages, landed = self._engine.drain()
         for ep, status in failures:
             peer = self._by_ep.get(ep)
             if peer is not None:
@@ -515,6 +576,15 @@ class UcxAgent:
                 self._put_done(entry, status)
             else:
                 entry(status)
+        # DONEs that landed in C++ before the messages of this batch: a part
+        # applied here (a message below) may complete what they began.
+        if landed:
+            now = time.monotonic()
+            for token, _l0, _l1, nbytes, sender, layers, complete in landed:
+                peer = self._peers.get(sender)
+                if peer is not None:
+                    peer.last_heard = now
+                self.expectations.on_landed(token, nbytes, peer, layers, complete)
         for raw in messages:
             try:
                 m = decode_message(raw)

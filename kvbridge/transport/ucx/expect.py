@@ -1,13 +1,19 @@
 """The receiving side of an agent: expected requests, parts that arrived
 before their ``expect``, and recently failed requests whose late parts are
 dropped.  A request completes when every layer of its range has landed (it
-may arrive in several layer-range parts)."""
+may arrive in several layer-range parts).
+
+Which layers landed is kept by a :class:`Ledger` (the engine's expectation
+table, in C++): a DONE for an expected request lands there the moment it
+arrives and comes here as :meth:`Expectations.on_landed`; parts applied here
+(early parts, staged parts) are marked in it too, so that it always holds
+the whole count."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -25,7 +31,7 @@ from .messages import Kind, Message
 if TYPE_CHECKING:
     from .peer import UcxPeer
 
-__all__ = ["Expect", "Expectations"]
+__all__ = ["Expect", "Expectations", "Ledger"]
 
 MAX_EARLY_REQUESTS = 65536
 MAX_EARLY_PARTS = 4096
@@ -41,11 +47,23 @@ class Expect:
     l0: int
     l1: int
     peer: UcxPeer | None  # bound at expect(peer=...) or by the first part
-    landed: np.ndarray  # one flag per layer of [l0, l1)
+    token: int  # its entry in the ledger
 
     @property
     def request_id(self) -> str:
         return self.handle.request_id
+
+
+class Ledger(Protocol):
+    """Where the landed layers of each expectation are counted."""
+
+    def register(self, ex: Expect) -> None: ...
+
+    def unregister(self, ex: Expect) -> None: ...
+
+    def mark(self, ex: Expect, l0: int, l1: int) -> int:
+        """Layers ``[l0, l1)`` of ``ex`` landed (and ``ex.peer`` is its
+        sender): returns the layers landed so far."""
 
 
 class Expectations:
@@ -56,10 +74,13 @@ class Expectations:
         self,
         reject: Callable[[UcxPeer, str, KVBridgeError], None],
         staged: Callable[[Expect, UcxPeer, Message], None],
+        ledger: Ledger,
     ) -> None:
         self._reject = reject
         self._staged = staged
+        self._ledger = ledger
         self._table: dict[str, Expect] = {}
+        self._tokens: dict[int, Expect] = {}
         self._early: dict[str, list[tuple[UcxPeer, Message]]] = {}
         self._aborted: dict[str, None] = {}
 
@@ -77,7 +98,9 @@ class Expectations:
         rid = ex.request_id
         if rid in self._table:
             raise InvalidArgument(f"request {rid!r} is already expected")
+        self._ledger.register(ex)
         self._table[rid] = ex
+        self._tokens[ex.token] = ex
         if ex.l0 == ex.l1 or ex.start == ex.end:
             ex.handle.finish()
             self.drop(ex)
@@ -90,6 +113,8 @@ class Expectations:
         rid = ex.request_id
         if self._table.get(rid) is ex:
             del self._table[rid]
+            del self._tokens[ex.token]
+            self._ledger.unregister(ex)
         if ex.handle.exception() is not None:
             self._aborted[rid] = None
             if len(self._aborted) > MAX_ABORTED:
@@ -105,7 +130,9 @@ class Expectations:
     def fail_all(self, exc: KVBridgeError) -> None:
         for ex in list(self._table.values()):
             ex.handle.fail(exc)
+            self._ledger.unregister(ex)
         self._table.clear()
+        self._tokens.clear()
 
     def on_part(self, peer: UcxPeer, m: Message) -> None:
         """A DONE or STAGE_REQ arrived from ``peer``."""
@@ -133,10 +160,11 @@ class Expectations:
 
     def deliver(self, ex: Expect, peer: UcxPeer, m: Message) -> None:
         h = ex.handle
-        if h.done():
+        if h.settled:
             return
         if ex.peer is None:
             ex.peer = peer
+            self._ledger.mark(ex, ex.l0, ex.l0)  # binds it there too
         elif ex.peer is not peer:
             self._reject(
                 peer, m.rid, IncompatiblePeer(f"request {m.rid!r} is expected from another peer")
@@ -162,9 +190,28 @@ class Expectations:
             self._staged(ex, peer, m)
 
     def landed(self, ex: Expect, l0: int, l1: int) -> None:
-        """Layers ``[l0, l1)`` of ``ex`` are in the cache."""
-        ex.landed[l0 - ex.l0 : l1 - ex.l0] = True
-        ex.handle.stats.layers_done = int(ex.landed.sum())
-        if ex.landed.all():
+        """Layers ``[l0, l1)`` of ``ex`` are in the cache (applied here)."""
+        self._account(ex, self._ledger.mark(ex, l0, l1))
+
+    def on_landed(
+        self, token: int, nbytes: int, peer: UcxPeer | None, layers: int, complete: bool
+    ) -> None:
+        """A DONE landed in the ledger (already checked there: an expected
+        request, its tokens, layers inside its range, its peer); ``layers``
+        had landed then."""
+        ex = self._tokens.get(token)
+        if ex is None or ex.handle.settled:
+            return
+        if ex.peer is None:
+            ex.peer = peer
+        stats = ex.handle.stats
+        stats.path = stats.path or "put"
+        stats.bytes += nbytes
+        self._account(ex, ex.l1 - ex.l0 if complete else layers)
+
+    def _account(self, ex: Expect, layers: int) -> None:
+        stats = ex.handle.stats
+        stats.layers_done = max(stats.layers_done, layers)
+        if stats.layers_done >= ex.l1 - ex.l0:
             ex.handle.finish()
             self.drop(ex)

@@ -13,7 +13,7 @@ import numpy as np
 from ...errors import Cancelled, KVBridgeError, LayoutError, code_for_error
 from ...layout import KVLayout
 from .handle import TransferHandle
-from .messages import Kind, Message, encode_message
+from .messages import Kind, Message
 from .metadata import AgentMetadata, RegionKind
 from .runs import CacheGeometry
 
@@ -52,9 +52,9 @@ class PeerHost(Protocol):
         end: int,
         l0: int,
         l1: int,
-        notify: bytes,
+        rid: str,
         min_mean_run: int,
-    ) -> tuple[int, int, int] | None: ...
+    ) -> tuple[int, int, int, int] | None: ...
 
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
 
@@ -147,10 +147,6 @@ class UcxPeer:
                 and self.staging_index is not None
                 and staging.pack_module() is not None
             )
-            nbytes = (l1 - l0) * (end - start) * host.token_bytes
-            notify = encode_message(
-                Message(Kind.DONE, host.agent_id, rid, start, end, l0, l1, nbytes)
-            )
             posted = host.put_range(
                 self,
                 _table(block_table),
@@ -159,11 +155,11 @@ class UcxPeer:
                 end,
                 l0,
                 l1,
-                notify,
+                rid,
                 host.min_put_run_bytes if can_stage else 0,
             )
             if posted is not None:  # else the runs are tiny: staged instead
-                op, status, nruns = posted
+                op, status, nruns, nbytes = posted
                 h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
                 h.owner = self
                 h.stats.path = "put"

@@ -191,7 +191,7 @@ class Staging:
             else:  # a stand-in packer packs per call
                 pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1))
             done = 0
-            while not h.done():
+            while not h.settled:
                 ready = await q.get()
                 if ready.kind is not Kind.STAGE_READY:
                     raise RemoteProtocolError("expected STAGE_READY")
@@ -260,7 +260,7 @@ class Staging:
             else:  # a stand-in packer unpacks per call
                 unpack_at = functools.partial(unpack, cache, bt, req.start, req.end, layers=layers)
             got = 0
-            while not h.done():
+            while not h.settled:
                 ready = Message(
                     Kind.STAGE_READY,
                     host.agent_id,
