@@ -58,6 +58,7 @@ def test_compare_small(benchmark: Any) -> None:
             args.iters,
             args.timeout,
             verbose=False,
+            put_windows=(0,),
         )
 
     rows = benchmark.pedantic(once, rounds=1, iterations=1)
@@ -65,7 +66,7 @@ def test_compare_small(benchmark: Any) -> None:
     for r in rows:
         assert "error" not in r, r
         assert r["ok"], r
-    assert {r["row"] for r in rows} >= {"kvbridge", "kvbridge peer"}
+    assert {r["row"] for r in rows} >= {"kvbridge", "kvbridge peer", "kvbridge window=0"}
 
 
 if __name__ == "__main__":

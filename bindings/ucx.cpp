@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "ucx/engine.h"
+#include "ucx/messages.h"
 #include "ucx/runs.h"
 
 namespace nb = nanobind;
@@ -21,6 +22,8 @@ using kvb::ucx::UcsError;
 using Table = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using ShapeArgs =
     std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<uint64_t>>;
+
+static std::string str(const nb::bytes& b) { return std::string(b.c_str(), b.size()); }
 
 static CacheShape cache_shape(const ShapeArgs& a) {
   CacheShape s;
@@ -51,6 +54,26 @@ NB_MODULE(_ucx, m) {
       ucs_error);
 
   m.def("version", []() { return std::string(ucp_get_version_string()); });
+  m.def(
+      "encode_done",
+      [](nb::bytes sender, nb::bytes rid, uint64_t start, uint64_t end, uint64_t l0, uint64_t l1,
+         uint64_t nbytes) {
+        std::string m = kvb::ucx::encode_done(str(sender), str(rid), start, end, l0, l1, nbytes);
+        return nb::bytes(m.data(), m.size());
+      },
+      nb::arg("sender"), nb::arg("rid"), nb::arg("start"), nb::arg("end"), nb::arg("l0"),
+      nb::arg("l1"), nb::arg("nbytes"), "The DONE message the put path sends (messages.py's twin)");
+  m.def(
+      "parse_done",
+      [](nb::bytes data) -> nb::object {
+        kvb::ucx::Done d;
+        if (!kvb::ucx::parse_done(data.c_str(), data.size(), &d)) return nb::none();
+        return nb::make_tuple(nb::bytes(d.sender.data(), d.sender.size()),
+                              nb::bytes(d.rid.data(), d.rid.size()), d.start, d.end, d.l0, d.l1,
+                              d.nbytes);
+      },
+      nb::arg("data"),
+      "(sender, rid, start, end, l0, l1, nbytes) of a well-formed DONE, else None");
   m.def("status_string", [](int status) {
     return std::string(ucs_status_string(static_cast<ucs_status_t>(status)));
   });
@@ -113,6 +136,30 @@ NB_MODULE(_ucx, m) {
       .def("address",
            [](const Engine& e) { return nb::bytes(e.address().data(), e.address().size()); })
       .def("event_fd", &Engine::event_fd)
+      .def("set_agent_id", [](Engine& e, nb::bytes id) { e.set_agent_id(str(id)); })
+      .def("set_put_window", &Engine::set_put_window, nb::arg("n"))
+      .def("set_yield_us", &Engine::set_yield_us, nb::arg("us"))
+      .def("poll", &Engine::poll, nb::arg("max_us"), nb::arg("token") = 0, nb::arg("yield_us") = 0,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Progress up to max_us; returns early (True) when something is queued for drain(), "
+           "or when expectation `token` is complete")
+      .def("add_peer", [](Engine& e, nb::bytes id) { e.add_peer(str(id)); })
+      .def("remove_peer", [](Engine& e, nb::bytes id) { e.remove_peer(str(id)); })
+      .def(
+          "expect",
+          [](Engine& e, uint64_t token, nb::bytes rid, uint64_t start, uint64_t end, uint64_t l0,
+             uint64_t l1,
+             nb::bytes sender) { e.expect(token, str(rid), start, end, l0, l1, str(sender)); },
+          nb::arg("token"), nb::arg("rid"), nb::arg("start"), nb::arg("end"), nb::arg("l0"),
+          nb::arg("l1"), nb::arg("sender"))
+      .def("unexpect", &Engine::unexpect, nb::arg("token"))
+      .def(
+          "mark",
+          [](Engine& e, uint64_t token, uint64_t l0, uint64_t l1, nb::bytes sender) {
+            return e.mark(token, l0, l1, str(sender));
+          },
+          nb::arg("token"), nb::arg("l0"), nb::arg("l1"), nb::arg("sender"))
+      .def("expect_state", &Engine::expect_state, nb::arg("token"))
       .def("progress", &Engine::progress, nb::call_guard<nb::gil_scoped_release>())
       .def("arm", &Engine::arm, nb::call_guard<nb::gil_scoped_release>())
       .def("start_thread", &Engine::start_thread, nb::arg("spin_us"),
@@ -162,9 +209,9 @@ NB_MODULE(_ucx, m) {
       .def(
           "put_range",
           [](Engine& e, uint64_t ep, const RunPlan& plan, Table sbt, Table dbt, int64_t start,
-             int64_t end, int64_t l0, int64_t l1, nb::bytes notify, uint64_t min_mean_run,
+             int64_t end, int64_t l0, int64_t l1, nb::bytes rid, uint64_t min_mean_run,
              unsigned spin_us) {
-            std::string note(notify.c_str(), notify.size());
+            std::string id = str(rid);
             thread_local std::vector<PutRun> runs;
             kvb::ucx::Posted p{0, 2};
             uint64_t nbytes = 0;
@@ -173,15 +220,21 @@ NB_MODULE(_ucx, m) {
               nbytes = plan.runs(sbt.data(), sbt.shape(0), dbt.data(), dbt.shape(0), start, end, l0,
                                  l1, &runs);
               bool tiny = !runs.empty() && nbytes / runs.size() < min_mean_run;
-              if (!tiny) p = e.put(ep, runs.data(), runs.size(), note, spin_us);
+              if (!tiny) {
+                std::string note = kvb::ucx::encode_done(
+                    e.agent_id(), id, static_cast<uint64_t>(start), static_cast<uint64_t>(end),
+                    static_cast<uint64_t>(l0), static_cast<uint64_t>(l1), nbytes);
+                p = e.put(ep, runs.data(), runs.size(), note, spin_us);
+              }
             }
             return nb::make_tuple(p.op_id, p.status, runs.size(), nbytes);
           },
           nb::arg("ep"), nb::arg("plan"), nb::arg("src_block_table"), nb::arg("dst_block_table"),
-          nb::arg("start"), nb::arg("end"), nb::arg("l0"), nb::arg("l1"), nb::arg("notify"),
+          nb::arg("start"), nb::arg("end"), nb::arg("l0"), nb::arg("l1"), nb::arg("rid"),
           nb::arg("min_mean_run"), nb::arg("spin_us"),
-          "Compute the runs of a range with `plan` and put them (see put). Returns (op id, "
-          "status, runs, bytes); status 2: the mean run is below min_mean_run, nothing posted")
+          "Compute the runs of a range with `plan` and put them, then DONE(rid) from this "
+          "engine's agent id (see put). Returns (op id, status, runs, bytes); status 2: the mean "
+          "run is below min_mean_run, nothing posted")
       .def(
           "send",
           [](Engine& e, uint64_t ep, nb::bytes msg, bool report) {
@@ -201,11 +254,15 @@ NB_MODULE(_ucx, m) {
                nb::gil_scoped_release release;
                d = e.drain();
              }
-             nb::list results, failures, messages;
+             nb::list results, failures, messages, landed;
              for (const auto& r : d.results) results.append(nb::make_tuple(r.op_id, r.status));
              for (const auto& f : d.failures) failures.append(nb::make_tuple(f.ep_id, f.status));
              for (const auto& s : d.messages) messages.append(nb::bytes(s.data(), s.size()));
-             return nb::make_tuple(results, failures, messages);
+             for (const auto& l : d.landed)
+               landed.append(nb::make_tuple(l.token, l.l0, l.l1, l.nbytes,
+                                            nb::bytes(l.sender.data(), l.sender.size()), l.layers,
+                                            l.complete));
+             return nb::make_tuple(results, failures, messages, landed);
            })
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &Engine::closed);

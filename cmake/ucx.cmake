@@ -36,6 +36,8 @@ message(STATUS "kvbridge: UCX path ${KVBRIDGE_HAS_UCX} ${KVBRIDGE_UCX_REASON}")
 if(KVBRIDGE_HAS_UCX)
   add_library(kvbridge_ucx STATIC
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/engine.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/expect.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/messages.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/progress.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/runs.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/transfer.cpp)

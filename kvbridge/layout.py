@@ -407,6 +407,20 @@ class KVLayout:
         layout hides them (a transfer names its head range itself)."""
         return _h64(self.wire_key())
 
+    def transfer_hash(self, heads: tuple[int, int] | None = None) -> int:
+        """The layout hash of a transfer of the model's heads ``[h0, h1)``
+        (docs/protocol.md 7, "Head ranges"): ``compat_hash`` for all the
+        model's heads, else the hash of ``wire_key()`` followed by
+        ``;heads={h0}-{h1}``.  A TCP OPEN carries it, so a receiver refuses
+        bytes of another head range than the one it expects."""
+        total = self.total_kv_heads
+        h0, h1 = (0, total) if heads is None else (int(heads[0]), int(heads[1]))
+        if not 0 <= h0 < h1 <= total:
+            raise LayoutError(f"head range {heads!r} outside the model's {total} KV heads")
+        if (h0, h1) == (0, total):
+            return self.compat_hash
+        return _h64(f"{self.wire_key()};heads={h0}-{h1}")
+
     @property
     def exact_hash(self) -> int:
         """Stable 64-bit hash of the full memory layout; equal iff pages can be

@@ -113,8 +113,11 @@ def test_differences_name_what_differs() -> None:
     lo = PeerDescription(3, 2, 30, 4, 0, 2, 64, "m")
     hi = PeerDescription(3, 2, 30, 4, 2, 4, 64, "m")
     part = PeerDescription(3, 2, 30, 4, 1, 3, 64, "m")
-    assert describe_differences(lo, hi) == ["head range [0, 2) does not overlap [2, 4)"]
+    # ranks holding different heads of one model fit, overlapping or not
+    assert describe_differences(lo, hi) == [] and describe_differences(hi, lo) == []
     assert describe_differences(lo, part) == [] and describe_differences(part, hi) == []
+    eight = PeerDescription(3, 2, 30, 8, 0, 4, 64, "m")
+    assert describe_differences(eight, hi) == ["kv heads 8 != 4"]  # the model's heads must match
     odd = PeerDescription(9, 2, 30, 3, 0, 3, 64, "")
     assert describe_differences(odd, SMOL) == ["kv dtype code 9 != bf16"]
 
@@ -134,6 +137,9 @@ def test_describe_a_layout() -> None:
     assert (d.dtype, d.components, d.num_layers, d.num_kv_heads, d.head_dim) == (3, 2, 4, 2, 64)
     assert (d.head_start, d.head_end, d.model) == (0, 2, "m")
     assert describe(L, kv_heads=8, head_range=(2, 4)).head_end == 4
+    rank = KVLayout(4, 2, 64, dtype="bf16", head_start=2, model_kv_heads=8)
+    r = describe(rank, "m")  # a tensor-parallel rank describes its own heads of the model's
+    assert (r.num_kv_heads, r.head_start, r.head_end) == (8, 2, 4)
     with pytest.raises(InvalidArgument):
         describe(L, kv_heads=8, head_range=(6, 9))
     with pytest.raises(InvalidArgument):

@@ -38,8 +38,23 @@ def test_ticket_vectors() -> None:
         TicketTransport.UCX, "r1", 16, 48, 0, 2, 0x1122334455667788,
         agent_id=b"A" * 16, block_table=(5, 9),
     )  # fmt: skip
-    for t in (tcp, ucx):
+    heads = Ticket(
+        TicketTransport.TCP, "r1", 0, 32, 0, 2, 0x1122334455667788, token=bytes(range(16)),
+        heads=(4, 8),
+    )  # fmt: skip
+    for t in (tcp, ucx, heads):
         assert Ticket.decode(bytes.fromhex(_in_doc(t.encode().hex()))) == t
+
+
+def test_transfer_hash_vector() -> None:
+    """protocol.md 7: the OPEN's layout hash of a head sub-range."""
+    from kvbridge.layout import KVLayout
+
+    lay = KVLayout(32, 4, 128, dtype="bf16", head_start=4, model_kv_heads=8)
+    key = "kvbridge-wire-v1;L=32;C=2;H=8;D=128;dtype=bf16;heads=4-8"
+    assert f"`{key}` ->" in DOC and lay.wire_key() + ";heads=4-8" == key
+    _in_doc(f"{lay.transfer_hash((4, 8)):#018x}")
+    assert lay.transfer_hash((0, 8)) == lay.compat_hash
 
 
 def test_prefix_fetch_vector() -> None:

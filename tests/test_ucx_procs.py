@@ -29,12 +29,20 @@ LAY = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, page_tokens=16)
 
 
 class Proc:
-    def __init__(self, tls: str, mode: str, layout: KVLayout, pages: int, seed: int | None) -> None:
+    def __init__(
+        self,
+        tls: str,
+        mode: str,
+        layout: KVLayout,
+        pages: int,
+        seed: int | None,
+        **opts: Any,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         env = {"UCX_TLS": tls}
         self.p = ctx.Process(
-            target=ucx_workers.agent_main, args=(child, env, layout, pages, seed, mode)
+            target=ucx_workers.agent_main, args=(child, env, layout, pages, seed, mode, opts)
         )
         self.p.start()
         child.close()
@@ -155,6 +163,27 @@ def test_receiver_killed_mid_transfer(procs: list[Proc], tls: str, mode: str) ->
     assert got[0] == "error" and "PeerGone" in got[4], got
     assert got[3] - killed < 6.0
     print(f"receiver death seen after {got[3] - killed:.2f} s: {got[2]}")
+
+
+@pytest.mark.parametrize("tls", ["tcp", "tcp,sm"])
+def test_receiver_killed_with_runs_waiting_for_the_put_window(procs: list[Proc], tls: str) -> None:
+    """Scattered pages (a put per page) through a window of 2: when the
+    receiver dies, the runs still waiting to be posted fail too."""
+    s = Proc(tls, "none", LAY, 512, seed=3, put_window=2)
+    r = Proc(tls, "none", LAY, 512, seed=None)
+    procs += [s, r]
+    s.send("connect", r.md)
+    s.recv(30)
+    bt = np.arange(512)
+    rbt = np.random.default_rng(3).permutation(512)
+    s.send("send_forever", "w", bt, rbt, 0, 512 * 16)
+    assert s.recv(30) == ("started",)
+    time.sleep(0.3)
+    killed = time.time()
+    r.p.kill()
+    got = s.recv(25)
+    assert got[0] == "error" and "PeerGone" in got[4], got
+    assert got[3] - killed < 6.0
 
 
 def test_a_blocked_receiver_loop_does_not_stall_the_sender(procs: list[Proc]) -> None:

@@ -30,14 +30,20 @@ def digest(layout: KVLayout, cache: Any, bt: Any, start: int, end: int, layers: 
 
 
 def agent_main(
-    conn: Any, env: dict[str, str], layout: KVLayout, pages: int, seed: int | None, error_mode: str
+    conn: Any,
+    env: dict[str, str],
+    layout: KVLayout,
+    pages: int,
+    seed: int | None,
+    error_mode: str,
+    opts: dict[str, Any] | None = None,
 ) -> None:
     os.environ.update(env)
-    asyncio.run(_serve(conn, layout, pages, seed, error_mode))
+    asyncio.run(_serve(conn, layout, pages, seed, error_mode, opts or {}))
 
 
 async def _serve(
-    conn: Any, layout: KVLayout, pages: int, seed: int | None, error_mode: str
+    conn: Any, layout: KVLayout, pages: int, seed: int | None, error_mode: str, opts: dict[str, Any]
 ) -> None:
     from kvbridge.transport.ucx import UcxAgent
 
@@ -51,6 +57,7 @@ async def _serve(
         timeout=30.0,
         heartbeat=0.5,
         peer_timeout=3.0,
+        **opts,
     )
     conn.send(("md", agent.metadata()))
     peers: list[Any] = []

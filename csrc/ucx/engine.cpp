@@ -2,6 +2,8 @@
 // their notify fd.
 #include "engine.h"
 
+#include "messages.h"
+
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -140,9 +142,15 @@ void Engine::deregister_region(uint64_t id) {
   regions_.erase(it);
 }
 
-void Engine::on_message(const void* data, size_t length) {
-  messages_.emplace_back(static_cast<const char*>(data), length);
-  signal_python();
+void Engine::set_agent_id(const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (id.size() != kAgentIdBytes) throw UcsError(UCS_ERR_INVALID_PARAM, "agent id of 16 bytes");
+  agent_id_ = id;
+}
+
+void Engine::set_put_window(size_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  put_window_ = n;
 }
 
 void Engine::signal_python() {
@@ -161,6 +169,7 @@ Drained Engine::drain() {
   out.results.swap(results_);
   out.failures.swap(failures_);
   out.messages.swap(messages_);
+  out.landed.swap(landed_);
   if (notified_) {
     uint64_t n = 0;
     ssize_t rc = ::read(notify_fd_, &n, sizeof(n));
@@ -196,6 +205,9 @@ void Engine::close() {
   efd_ = -1;
   ops_.clear();
   sync_done_.clear();
+  expects_.clear();
+  expect_ids_.clear();
+  peers_.clear();
   ::close(notify_fd_);
   ::close(wake_fd_);
   notify_fd_ = wake_fd_ = -1;

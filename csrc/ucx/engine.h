@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,7 @@
 #include <thread>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -64,30 +66,31 @@ struct Endpoint {
   ucs_status_t error = UCS_OK;  // set by the error callback
   bool peer_errors = true;      // UCP_ERR_HANDLING_MODE_PEER
   bool closing = false;
+  // The put window: puts posted on this endpoint and not yet complete, and
+  // the put batches with runs still to post, served round-robin.
+  size_t puts_in_flight = 0;
+  std::deque<uint64_t> waiting;
 };
 
-// One posted unit of work: a batch of puts + flush (+ notification), or one
-// active message.  Done when `pending` reaches zero and the notification, if
-// any, has been sent.
-struct Op {
-  uint64_t id = 0;
-  uint64_t ep_id = 0;
-  int pending = 0;
-  ucs_status_t status = UCS_OK;
-  std::string notify;  // sent as an active message after the flush completed
-  bool notify_posted = false;
-  bool report = true;   // queue the result for drain(); false: fire and forget
-  bool waited = false;  // a caller spins on it: its result goes to sync_done_
+// A request the receiver expects (UcxAgent.expect), so that its DONE messages
+// land in C++ as they arrive.  `landed` has one flag per layer of [l0, l1).
+struct Expectation {
+  uint64_t token = 0;
+  std::string rid;
+  uint64_t start = 0, end = 0, l0 = 0, l1 = 0;
+  std::string sender;  // the peer it is bound to (16 bytes), or empty: any
+  std::vector<uint8_t> landed;
+  uint64_t missing = 0;  // layers not landed yet
 };
 
-struct OpResult {
-  uint64_t op_id;
-  int status;  // ucs_status_t
-};
-
-struct EpFailure {
-  uint64_t ep_id;
-  int status;
+// A DONE applied to an expectation in C++, for Python to account: `layers`
+// had landed after it, all of them when `complete`.
+struct Landed {
+  uint64_t token;
+  uint64_t l0, l1, nbytes;
+  std::string sender;
+  uint64_t layers;
+  bool complete;
 };
 
 // One run of a put batch: bytes [local_off, local_off+len) of local region
@@ -98,6 +101,34 @@ struct PutRun {
   uint64_t remote_region;
   uint64_t remote_off;
   uint64_t length;
+};
+
+// One posted unit of work: a batch of puts + flush (+ notification), or one
+// active message.  Done when `pending` reaches zero, every run was posted and
+// flushed, and the notification, if any, has been sent.
+struct Op {
+  uint64_t id = 0;
+  uint64_t ep_id = 0;
+  int pending = 0;  // requests of this op in flight (puts, flush, message)
+  ucs_status_t status = UCS_OK;
+  std::string notify;  // sent as an active message after the flush completed
+  bool notify_posted = false;
+  bool report = true;   // queue the result for drain(); false: fire and forget
+  bool waited = false;  // a caller spins on it: its result goes to sync_done_
+  // a put batch: runs[next..] are not posted yet (the endpoint's window)
+  std::vector<PutRun> runs;
+  size_t next = 0;
+  bool flush_posted = true;  // false for a put batch until its flush is posted
+};
+
+struct OpResult {
+  uint64_t op_id;
+  int status;  // ucs_status_t
+};
+
+struct EpFailure {
+  uint64_t ep_id;
+  int status;
 };
 
 // What a post returns: the op id and UCS_INPROGRESS, or the final status when
@@ -111,7 +142,11 @@ struct Drained {
   std::vector<OpResult> results;
   std::vector<EpFailure> failures;
   std::vector<std::string> messages;
+  std::vector<Landed> landed;
 };
+
+// What a request's ticket stands for (see on_request_done).
+enum class ReqKind : uint8_t { kPut, kFlush, kMessage };
 
 class Engine {
  public:
@@ -124,6 +159,15 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   std::string address() const { return address_; }
+  // The agent id that DONE messages built here name as their sender.
+  void set_agent_id(const std::string& id);
+  const std::string& agent_id() const { return agent_id_; }
+  // At most `n` puts in flight per endpoint (0: no limit); runs beyond it are
+  // posted as earlier puts complete, round-robin between the endpoint's batches.
+  void set_put_window(size_t n);
+  // Busy-polls (an inline put, poll()) give the core away after `us` without
+  // an event (0: after every empty progress call).
+  void set_yield_us(unsigned us);
 
   // ---- progress driven by the caller (asyncio's "loop" mode) ----
   int event_fd() const { return efd_; }
@@ -132,6 +176,11 @@ class Engine {
   unsigned progress();
   // Arm the event fd; false when events are pending (progress again first).
   bool arm();
+  // Progress for up to `max_us`, returning as soon as something is queued
+  // for drain() or expectation `token` (0: none) is complete.  Gives the core
+  // away (sched_yield) after every `yield_us` without an event.  The GIL must
+  // not be held.  Returns true when something is queued for drain().
+  bool poll(unsigned max_us, uint64_t token, unsigned yield_us);
 
   // ---- progress on the engine's own thread ("thread" mode) ----
   // The thread progresses while there is activity and for `spin_us` after
@@ -164,6 +213,23 @@ class Engine {
   // One active message.  `report`: queue its result for drain().
   Posted send(uint64_t ep_id, const std::string& message, bool report);
 
+  // ---- the receiving side's expectations ----
+  // DONE messages from a peer of agent id `sender` in add_peer(), for a
+  // registered request with the same tokens and layers inside its range,
+  // land here (queued as Landed for drain()); every other message goes to
+  // Python as it is.  `sender` empty: bound by the first part.
+  void add_peer(const std::string& agent_id);
+  void remove_peer(const std::string& agent_id);
+  void expect(uint64_t token, const std::string& rid, uint64_t start, uint64_t end, uint64_t l0,
+              uint64_t l1, const std::string& sender);
+  void unexpect(uint64_t token);
+  // A part Python applied itself (a part that came before the expect, a
+  // staged part): mark layers [l0, l1) and bind the sender.  Returns the
+  // layers landed so far, or -1 for an unknown token.
+  int64_t mark(uint64_t token, uint64_t l0, uint64_t l1, const std::string& sender);
+  // Layers landed so far and whether all have; (-1, false) for an unknown token.
+  std::pair<int64_t, bool> expect_state(uint64_t token) const;
+
   Drained drain();
 
   void close();
@@ -171,7 +237,7 @@ class Engine {
 
   // callbacks (public for the C trampolines); the mutex is held
   void on_ep_error(Endpoint* ep, ucs_status_t status);
-  void on_request_done(uint64_t op_id, ucs_status_t status);
+  void on_request_done(uint64_t op_id, ReqKind kind, ucs_status_t status);
   void on_message(const void* data, size_t length);
 
  private:
@@ -180,18 +246,25 @@ class Engine {
   unsigned progress_locked(int max_rounds);
   void finish_if_done(Op& op);
   void post_notify(Op& op);
+  void post_flush(Op& op, Endpoint& ep);
+  void post_puts(Endpoint& ep);
   void check_open() const;
   void disconnect_locked(uint64_t ep_id);
   void signal_python();
+  bool python_work() const;
   void wake_thread();
   void thread_main(unsigned spin_us);
   bool take_sync(uint64_t op_id, int* status);
+  bool apply_done(const void* data, size_t length);
 
   mutable std::mutex mu_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   int efd_ = -1;
   std::string address_;
+  std::string agent_id_;
+  size_t put_window_ = 0;
+  unsigned yield_us_ = 0;
   uint64_t next_id_ = 1;
   std::map<uint64_t, Region> regions_;
   std::map<uint64_t, std::unique_ptr<Endpoint>> eps_;
@@ -200,10 +273,15 @@ class Engine {
   std::vector<std::unique_ptr<Endpoint>> closed_eps_;
   std::unordered_map<uint64_t, Op> ops_;
   std::vector<uint64_t> deferred_notify_;
+  std::vector<uint64_t> deferred_puts_;  // endpoints whose window opened
   std::vector<OpResult> results_;
   std::vector<EpFailure> failures_;
   std::vector<std::string> messages_;
+  std::vector<Landed> landed_;
   std::unordered_map<uint64_t, int> sync_done_;
+  std::unordered_map<uint64_t, Expectation> expects_;
+  std::unordered_map<std::string, uint64_t> expect_ids_;  // request id -> token
+  std::unordered_set<std::string> peers_;
 
   // thread mode
   std::thread thread_;

@@ -1,6 +1,7 @@
 // Worker progress: driven by the caller (loop mode), or by the engine's own
 // thread, which spins for a bounded time after activity and otherwise sleeps
 // in epoll on the worker's event fd (thread mode).
+#include <sched.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -14,6 +15,15 @@ unsigned Engine::progress_locked(int max_rounds) {
   for (int i = 0; i < max_rounds; ++i) {
     unsigned n = ucp_worker_progress(worker_);
     total += n;
+    if (!deferred_puts_.empty()) {
+      std::vector<uint64_t> ids;
+      ids.swap(deferred_puts_);
+      for (size_t j = 0; j < ids.size(); ++j) {
+        if (j > 0 && ids[j] == ids[j - 1]) continue;
+        auto it = eps_.find(ids[j]);
+        if (it != eps_.end() && !it->second->closing) post_puts(*it->second);
+      }
+    }
     if (!deferred_notify_.empty()) {
       std::vector<uint64_t> ids;
       ids.swap(deferred_notify_);
@@ -32,6 +42,40 @@ unsigned Engine::progress() {
   std::lock_guard<std::mutex> lock(mu_);
   polled_ns_.store(Clock::now().time_since_epoch().count());
   return progress_locked(4096);
+}
+
+void Engine::set_yield_us(unsigned us) {
+  std::lock_guard<std::mutex> lock(mu_);
+  yield_us_ = us;
+}
+
+bool Engine::poll(unsigned max_us, uint64_t token, unsigned yield_us) {
+  pollers_.fetch_add(1);
+  const auto start = Clock::now();
+  const auto until = start + std::chrono::microseconds(max_us);
+  const auto quiet = std::chrono::microseconds(yield_us);
+  auto last_event = start;
+  bool queued = false;
+  for (;;) {
+    const auto now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (worker_ == nullptr) break;
+      polled_ns_.store(now.time_since_epoch().count());
+      if (progress_locked(16) > 0) last_event = now;
+      queued = python_work();
+      if (queued) break;
+      if (token != 0) {
+        auto it = expects_.find(token);
+        if (it == expects_.end() || it->second.missing == 0) break;
+      }
+    }
+    if (Clock::now() >= until) break;
+    if (now - last_event >= quiet) sched_yield();  // the peer may need this core
+  }
+  pollers_.fetch_sub(1);
+  activity_ns_.store(Clock::now().time_since_epoch().count());
+  return queued;
 }
 
 bool Engine::arm() {

@@ -1,8 +1,9 @@
-// Endpoints, one-sided put batches ordered before their notification, and
-// small active messages.
+// Endpoints, one-sided put batches ordered before their notification (posted
+// through each endpoint's put window), and small active messages.
 #include <sched.h>
 
 #include <chrono>
+#include <limits>
 
 #include "engine.h"
 
@@ -18,22 +19,25 @@ void ep_error_cb(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 struct Ticket {
   Engine* engine;
   uint64_t op_id;
+  ReqKind kind;
 };
 
 void request_cb(void* request, ucs_status_t status, void* user_data) {
   auto* t = static_cast<Ticket*>(user_data);
   Engine* engine = t->engine;
   uint64_t op_id = t->op_id;
+  ReqKind kind = t->kind;
   delete t;
   ucp_request_free(request);
-  engine->on_request_done(op_id, status);
+  engine->on_request_done(op_id, kind, status);
 }
 
-// Count a non-blocking call's outcome into the op; returns false on failure.
+// Count a non-blocking call's outcome into the op; returns true when the
+// request is in flight (its callback will come).
 bool account(Op& op, ucs_status_ptr_t sp, Ticket* ticket) {
   if (sp == nullptr) {  // completed in place
     delete ticket;
-    return true;
+    return false;
   }
   if (UCS_PTR_IS_ERR(sp)) {
     delete ticket;
@@ -119,6 +123,16 @@ void Engine::disconnect_locked(uint64_t ep_id) {
   if (it == eps_.end()) return;
   Endpoint& ep = *it->second;
   ep.closing = true;
+  // Batches with runs still to post will never post them.
+  std::deque<uint64_t> waiting;
+  waiting.swap(ep.waiting);
+  for (uint64_t id : waiting) {
+    auto op = ops_.find(id);
+    if (op == ops_.end()) continue;
+    if (op->second.status == UCS_OK) op->second.status = UCS_ERR_CANCELED;
+    op->second.runs.clear();
+    finish_if_done(op->second);
+  }
   for (auto& r : ep.remote) ucp_rkey_destroy(r.rkey);
   ep.remote.clear();
   // A forced close is only defined when both sides use peer error handling
@@ -145,13 +159,24 @@ void Engine::on_ep_error(Endpoint* ep, ucs_status_t status) {
   signal_python();
 }
 
-void Engine::on_request_done(uint64_t op_id, ucs_status_t status) {
+void Engine::on_request_done(uint64_t op_id, ReqKind kind, ucs_status_t status) {
+  if (kind == ReqKind::kPut) {
+    auto op = ops_.find(op_id);
+    auto ep = eps_.find(op == ops_.end() ? 0 : op->second.ep_id);
+    if (ep != eps_.end()) {
+      Endpoint& e = *ep->second;
+      if (e.puts_in_flight > 0) --e.puts_in_flight;
+      // The window opened: post more (not from inside the callback).
+      if (!e.waiting.empty()) deferred_puts_.push_back(e.id);
+    }
+  }
   auto it = ops_.find(op_id);
   if (it == ops_.end()) return;
   Op& op = it->second;
   --op.pending;
   if (status != UCS_OK && op.status == UCS_OK) op.status = status;
-  if (op.pending == 0 && op.status == UCS_OK && !op.notify.empty() && !op.notify_posted) {
+  if (op.pending == 0 && op.flush_posted && op.status == UCS_OK && !op.notify.empty() &&
+      !op.notify_posted) {
     // Not from inside a callback: progress() posts it right after.
     deferred_notify_.push_back(op_id);
     return;
@@ -161,6 +186,7 @@ void Engine::on_request_done(uint64_t op_id, ucs_status_t status) {
 
 void Engine::finish_if_done(Op& op) {
   if (op.pending != 0) return;
+  if (op.status == UCS_OK && !op.flush_posted) return;  // runs still to post
   if (op.status == UCS_OK && !op.notify.empty() && !op.notify_posted) return;
   if (op.waited) {
     sync_done_[op.id] = static_cast<int>(op.status);
@@ -187,7 +213,7 @@ void Engine::post_notify(Op& op) {
   } else if (it->second->error != UCS_OK) {
     op.status = it->second->error;
   } else {
-    auto* ticket = new Ticket{this, op.id};
+    auto* ticket = new Ticket{this, op.id, ReqKind::kMessage};
     ucp_request_param_t p = request_param(ticket);
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
     p.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -199,6 +225,65 @@ void Engine::post_notify(Op& op) {
   finish_if_done(op);
 }
 
+void Engine::post_flush(Op& op, Endpoint& ep) {
+  // The flush completes only when every put posted before it is complete at
+  // the target: the notification is posted after it, never when the puts are
+  // merely posted.
+  op.flush_posted = true;
+  op.runs.clear();
+  op.runs.shrink_to_fit();
+  if (op.status == UCS_OK) {
+    auto* ticket = new Ticket{this, op.id, ReqKind::kFlush};
+    ucp_request_param_t fp = request_param(ticket);
+    account(op, ucp_ep_flush_nbx(ep.ep, &fp), ticket);
+  }
+  if (op.pending == 0 && op.status == UCS_OK && !op.notify.empty()) {
+    post_notify(op);
+  } else {
+    finish_if_done(op);
+  }
+}
+
+void Engine::post_puts(Endpoint& ep) {
+  // Without a window every run of a batch is posted at once; with one, one
+  // run per batch per turn, so that a small batch is not queued behind all
+  // of a large one.
+  const size_t window = put_window_ == 0 ? std::numeric_limits<size_t>::max() : put_window_;
+  while (!ep.waiting.empty() && ep.puts_in_flight < window) {
+    const uint64_t id = ep.waiting.front();
+    ep.waiting.pop_front();
+    auto it = ops_.find(id);
+    if (it == ops_.end()) continue;
+    Op& op = it->second;
+    if (ep.error != UCS_OK && op.status == UCS_OK) op.status = ep.error;
+    while (op.next < op.runs.size() && op.status == UCS_OK && ep.puts_in_flight < window) {
+      const PutRun& r = op.runs[op.next++];
+      if (r.length == 0) continue;
+      auto reg = regions_.find(r.local_region);
+      if (reg == regions_.end() || r.remote_region >= ep.remote.size()) {
+        op.status = UCS_ERR_INVALID_PARAM;
+        break;
+      }
+      auto* ticket = new Ticket{this, id, ReqKind::kPut};
+      ucp_request_param_t p = request_param(ticket);
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+      p.memh = reg->second.memh;
+      const RemoteRegion& rr = ep.remote[r.remote_region];
+      if (account(op,
+                  ucp_put_nbx(ep.ep, reinterpret_cast<void*>(reg->second.base + r.local_off),
+                              r.length, rr.base + r.remote_off, rr.rkey, &p),
+                  ticket))
+        ++ep.puts_in_flight;
+      if (put_window_ != 0) break;
+    }
+    if (op.next < op.runs.size() && op.status == UCS_OK) {
+      ep.waiting.push_back(id);  // its turn comes again
+    } else {
+      post_flush(op, ep);  // or finish with the error
+    }
+  }
+}
+
 Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::string& notify,
                    unsigned spin_us) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -207,7 +292,6 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
   if (ep.error != UCS_OK) throw UcsError(ep.error, "endpoint failed");
   if (notify.size() > kMaxMessage) throw UcsError(UCS_ERR_INVALID_PARAM, "notification too large");
   // Validate everything before posting anything.
-  std::vector<const Region*> local(count);
   for (size_t i = 0; i < count; ++i) {
     const PutRun& r = runs[i];
     auto it = regions_.find(r.local_region);
@@ -219,7 +303,6 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
     const RemoteRegion& rr = ep.remote[r.remote_region];
     if (r.remote_off > rr.length || r.length > rr.length - r.remote_off)
       throw UcsError(UCS_ERR_INVALID_PARAM, "run outside the remote region");
-    local[i] = &it->second;
   }
   uint64_t id = next_id_++;
   Op& op = ops_[id];
@@ -227,29 +310,10 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
   op.ep_id = ep_id;
   op.notify = notify;
   op.waited = true;
-  for (size_t i = 0; i < count && op.status == UCS_OK; ++i) {
-    const PutRun& r = runs[i];
-    if (r.length == 0) continue;
-    auto* ticket = new Ticket{this, id};
-    ucp_request_param_t p = request_param(ticket);
-    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-    p.memh = local[i]->memh;
-    const RemoteRegion& rr = ep.remote[r.remote_region];
-    account(op,
-            ucp_put_nbx(ep.ep, reinterpret_cast<void*>(local[i]->base + r.local_off), r.length,
-                        rr.base + r.remote_off, rr.rkey, &p),
-            ticket);
-  }
-  // The flush completes only when every put above is complete at the target:
-  // the notification is posted after it, never when the puts are merely posted.
-  auto* ticket = new Ticket{this, id};
-  ucp_request_param_t fp = request_param(ticket);
-  account(op, ucp_ep_flush_nbx(ep.ep, &fp), ticket);
-  if (op.pending == 0 && op.status == UCS_OK && !op.notify.empty()) {
-    post_notify(op);
-  } else {
-    finish_if_done(op);
-  }
+  op.runs.assign(runs, runs + count);
+  op.flush_posted = false;
+  ep.waiting.push_back(id);
+  post_puts(ep);  // `op` may be gone after this (finished in place)
   // The fast path: a small batch usually completes (flush answered, the
   // notification sent) within a few round trips; progress here for that long
   // instead of handing back to the event loop and waking up again.
@@ -257,11 +321,18 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
   if (take_sync(id, &status)) return {id, status};
   if (spin_us > 0) {
     pollers_.fetch_add(1);
-    const auto until = Clock::now() + std::chrono::microseconds(spin_us);
+    const auto start = Clock::now();
+    const auto until = start + std::chrono::microseconds(spin_us);
+    auto last_event = start;
     bool done = false;
     do {
-      if (progress_locked(16) == 0) sched_yield();  // the peer may need this core to answer
-      polled_ns_.store(Clock::now().time_since_epoch().count());
+      const auto now = Clock::now();
+      if (progress_locked(16) > 0) {
+        last_event = now;
+      } else if (now - last_event >= std::chrono::microseconds(yield_us_)) {
+        sched_yield();  // the peer may need this core to answer
+      }
+      polled_ns_.store(now.time_since_epoch().count());
       done = take_sync(id, &status);
     } while (!done && Clock::now() < until);
     pollers_.fetch_sub(1);

@@ -25,24 +25,7 @@ def describe_vllm(
     model_kv_heads: int | None = None,
     name: str = "",
 ) -> PagedKVCache:
-    """vLLM's KV cache (v0.26 and later; checked against 0.32.0), as its
-    worker hands it to a KV connector's ``register_kv_caches``: one torch
-    view per attention layer (a dict in layer order, or a list),
-    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` (MLA:
-    ``[num_blocks, 1, block_size, head_size]``), each a strided view of one
-    flat buffer in any of vLLM's six physical orders.
-
-    ``kv_split`` says how the attention backend splits the last dimension:
-    ``"last_dim"`` (FlashAttention, FlashInfer, Triton: K is
-    ``[..., :head_size]``, V ``[..., head_size:]``) or ``"cpu"`` (vLLM's
-    CPU backend, ISA ``vec`` / ``vec16``: each block's head tile
-    ``[block_size, 2 * head_size]`` is K stored ``[head_size][block_size]``
-    followed by V ``[block_size][head_size]``; LBHNC only).  ``block_tokens``
-    is the manager block size (``cache_config.block_size``) when the
-    kernel blocks are smaller.  ``head_start`` / ``model_kv_heads`` place a
-    tensor-parallel rank's heads among the model's.  fp8 caches are uint8
-    tensors in vLLM: pass ``dtype="fp8_e4m3"`` or ``"fp8_e5m2"``.
-    """
+    """:meth:`PagedKVCache.from_vllm` (its docstring says what it takes)."""
     tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
     if not tensors:
         raise InvalidArgument("no KV cache tensors")
@@ -135,14 +118,7 @@ def describe_sglang(
     model_kv_heads: int | None = None,
     name: str = "",
 ) -> PagedKVCache:
-    """SGLang's token pool (checked against 0.5.23): ``MHATokenToKVPool``'s
-    per-layer ``k_buffer`` and ``v_buffer`` lists, ``[size + page_size,
-    heads, head_dim]`` (NHD, token slots; page ``p`` is slots
-    ``[p * page_size, (p + 1) * page_size)``) or ``[pages, heads,
-    page_size, head_dim]`` (``SGLANG_USE_HND_KVCACHE``).  K and V may be
-    separate allocations.  MLA (``MLATokenToKVPool``): its ``kv_buffer``
-    list as ``k_buffers`` and ``v_buffers=None``.  Block tables are SGLang's
-    page indices."""
+    """:meth:`PagedKVCache.from_sglang` (its docstring says what it takes)."""
     ks = list(k_buffers)
     vs = None if v_buffers is None else list(v_buffers)
     if not ks:

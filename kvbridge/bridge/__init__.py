@@ -15,7 +15,7 @@ docs/engine-integration.md shows the calls in order for each role.
 
 from __future__ import annotations
 
-from .decode import DecodeBridge, Expectation
+from .decode import DecodeBridge, Expectation, plan_sources, tp_sources
 from .events import BridgeEvents, TransferDone, TransferFailed
 from .handles import Delivery, DeliveryStats, MultiSend, SendGroup
 from .leases import Lease, LeaseTable
@@ -43,4 +43,6 @@ __all__ = [
     "TicketTransport",
     "TransferDone",
     "TransferFailed",
+    "plan_sources",
+    "tp_sources",
 ]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import operator
 import ssl as _ssl
+from collections.abc import Sequence
 from typing import Any
 
-from ..errors import InvalidArgument, Unavailable
+from ..errors import InvalidArgument, LayoutError, OverlapError, Unavailable
+from ..layout import tp_head_range
 from ..pack import PagedKVCache
 from ..transport.tcp import ReceiverLimits, TcpReceiver
 from ..transport.tcp.kvio import KVSink
@@ -15,14 +19,31 @@ from .metrics import BridgeMetrics, BridgeMetricsView
 from .prefill import _view
 from .ticket import Ticket, TicketTransport
 
-__all__ = ["DecodeBridge", "Expectation"]
+__all__ = ["DecodeBridge", "Expectation", "plan_sources", "tp_sources"]
 
 
 class Expectation(Delivery):
     """An expected transfer: ``ticket`` goes to the prefill side; awaiting it
-    returns once every byte of the range is in the pages."""
+    returns once every byte of the range is in the pages.  An expectation
+    of several sources (``expect(..., sources=...)``) has one ticket per
+    source in ``tickets`` (by name) and its parts in ``parts``."""
 
-    ticket: bytes
+    tickets: dict[str, bytes]
+    parts: dict[str, Expectation]
+
+    def set_tickets(self, tickets: dict[str, bytes]) -> None:
+        self.tickets = dict(tickets)
+        if not hasattr(self, "parts"):
+            self.parts = {}
+
+    @property
+    def ticket(self) -> bytes:
+        """The ticket of an expectation with one sender."""
+        if len(self.tickets) != 1:
+            raise InvalidArgument(
+                f"this expectation has one ticket per source ({sorted(self.tickets)}): use .tickets"
+            )
+        return next(iter(self.tickets.values()))
 
 
 class DecodeBridge:
@@ -153,61 +174,41 @@ class DecodeBridge:
         layers: tuple[int, int] | None = None,
         via: str = "tcp",
         timeout: float | None = 60.0,
+        heads: tuple[int, int] | None = None,
+        sources: Sequence[tuple[str, tuple[int, int]]] | None = None,
     ) -> Expectation:
         """Expect tokens ``[start, end)`` (and ``layers``) of a request into the
-        pages ``block_table``.  Give ``expectation.ticket`` to the sender."""
+        pages ``block_table``.  Give ``expectation.ticket`` to the sender.
+
+        ``heads`` is the range of the model's KV heads wanted (default all
+        this cache holds).  ``sources`` names the sender ranks and the heads
+        each holds, ``[(name, (h0, h1)), ...]`` (e.g. :func:`tp_sources`):
+        then ``expectation.tickets`` holds one ticket per sender whose heads
+        meet the wanted ones (that intersection), the expectation completes
+        once every part landed, and the first part to fail fails it, with
+        its error, and cancels the others.  Sources whose intersections
+        overlap raise :class:`~kvbridge.errors.OverlapError`, wanted heads
+        that no source holds :class:`~kvbridge.errors.LayoutError`."""
         rid = str(request_id)
         l0, l1 = self.layout.layer_range(layers)
-        if via == "tcp":
-            tcp = self.tcp
-            sink = KVSink(self.cache, block_table, start, end, (l0, l1))
-            h = tcp.expect(rid, sink, timeout=timeout)
-            ticket = Ticket(
-                TicketTransport.TCP,
-                rid,
-                start,
-                end,
-                l0,
-                l1,
-                self.layout.compat_hash,
-                token=h.token,
-                model=self.model_id,
-            )
-            stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
-
-            def finish_tcp(_n: Any, st: DeliveryStats) -> None:
-                st.wire_bytes = h.stats.wire_bytes  # the chunk bodies that arrived
-
-            exp = Expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish_tcp)
-        elif via == "ucx":
-            agent = self._require_ucx()
-            uh = agent.expect(rid, block_table, start, end, (l0, l1), timeout=timeout)
-            bt = tuple(int(x) for x in list(block_table))
-            ticket = Ticket(
-                TicketTransport.UCX,
-                rid,
-                start,
-                end,
-                l0,
-                l1,
-                self.layout.compat_hash,
-                agent_id=agent.agent_id,
-                block_table=bt,
-                model=self.model_id,
-            )
-            stats = DeliveryStats(rid, self.identity, "ucx", bytes=0)
-
-            def finish_ucx(res: Any, st: DeliveryStats) -> None:
-                st.bytes = int(getattr(res, "bytes", 0))
-                st.wire_bytes = st.bytes
-                st.path = "ucx-" + str(getattr(res, "path", "") or "put")
-
-            exp = Expectation(
-                stats, uh.wait(), lambda: 1.0 if uh.done() else 0.0, uh.cancel, finish_ucx
-            )
-        else:
+        want = self.layout.check_heads(heads)
+        if via not in ("tcp", "ucx"):
             raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
-        exp.ticket = ticket.encode()
+        if sources is None:
+            exp = self._expect_part(rid, block_table, start, end, (l0, l1), via, timeout, want)
+        else:
+            plan = plan_sources(want, sources)
+            parts: dict[str, Expectation] = {}
+            try:
+                for name, part_heads in plan:
+                    parts[name] = self._expect_part(
+                        rid, block_table, start, end, (l0, l1), via, timeout, part_heads
+                    )
+            except BaseException:
+                for p in parts.values():
+                    p.cancel("the expectation failed to start")
+                raise
+            exp = _joined(rid, self.identity, via, parts)
         m = self.metrics
         m.started("recv")
 
@@ -220,3 +221,179 @@ class DecodeBridge:
 
         exp.add_done_callback(record)
         return exp
+
+    def _expect_part(
+        self,
+        rid: str,
+        block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int],
+        via: str,
+        timeout: float | None,
+        heads: tuple[int, int],
+    ) -> Expectation:
+        """One expected transfer of heads ``heads`` (its own token on TCP, its
+        own UCX expectation), with its ticket."""
+        l0, l1 = layers
+        # the ticket names the heads unless they are all the model's (version 1 bytes)
+        named = None if heads == (0, self.layout.total_kv_heads) else heads
+        if via == "tcp":
+            tcp = self.tcp
+            sink = KVSink(self.cache, block_table, start, end, (l0, l1), heads)
+            h = tcp.expect(rid, sink, timeout=timeout)
+            ticket = Ticket(
+                TicketTransport.TCP,
+                rid,
+                start,
+                end,
+                l0,
+                l1,
+                self.layout.compat_hash,
+                token=h.token,
+                model=self.model_id,
+                heads=named,
+            )
+            stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
+
+            def finish_tcp(_n: Any, st: DeliveryStats) -> None:
+                st.wire_bytes = h.stats.wire_bytes  # the chunk bodies that arrived
+
+            exp = Expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish_tcp)
+        else:
+            agent = self._require_ucx()
+            uh = agent.expect(rid, block_table, start, end, (l0, l1), timeout=timeout, heads=heads)
+            bt = tuple(int(x) for x in list(block_table))
+            ticket = Ticket(
+                TicketTransport.UCX,
+                rid,
+                start,
+                end,
+                l0,
+                l1,
+                self.layout.compat_hash,
+                agent_id=agent.agent_id,
+                block_table=bt,
+                model=self.model_id,
+                heads=named,
+            )
+            stats = DeliveryStats(rid, self.identity, "ucx", bytes=0)
+
+            def finish_ucx(res: Any, st: DeliveryStats) -> None:
+                st.bytes = int(getattr(res, "bytes", 0))
+                st.wire_bytes = st.bytes
+                st.path = "ucx-" + str(getattr(res, "path", "") or "put")
+
+            exp = Expectation(
+                stats, uh.wait(), lambda: 1.0 if uh.done() else 0.0, uh.cancel, finish_ucx
+            )
+        exp.set_tickets({"": ticket.encode()})
+        return exp
+
+
+def plan_sources(
+    want: tuple[int, int], sources: Sequence[tuple[str, tuple[int, int]]]
+) -> list[tuple[str, tuple[int, int]]]:
+    """``[(name, heads), ...]``: each source's intersection with the wanted
+    heads ``want``, for the sources that hold some of them; the intersections
+    must not overlap (:class:`~kvbridge.errors.OverlapError`) and must cover
+    ``want`` (:class:`~kvbridge.errors.LayoutError`)."""
+    w0, w1 = want
+    out: list[tuple[str, tuple[int, int]]] = []
+    names: set[str] = set()
+    for item in sources:
+        try:
+            name, (a, b) = item
+            a, b = operator.index(a), operator.index(b)
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"a source is (name, (h0, h1)), the heads a sender holds; got {item!r}"
+            ) from None
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument(f"a source's name must be a non-empty str, got {name!r}")
+        if name in names:
+            raise InvalidArgument(f"source {name!r} is named twice")
+        names.add(name)
+        if not 0 <= a < b:
+            raise LayoutError(f"source {name!r} holds an empty or negative head range [{a}, {b})")
+        lo, hi = max(a, w0), min(b, w1)
+        if lo < hi:
+            out.append((name, (lo, hi)))
+    out.sort(key=lambda p: p[1])
+    at, prev = w0, ""
+    for name, (lo, hi) in out:
+        if lo < at:
+            raise OverlapError(
+                f"sources {prev!r} and {name!r} both hold heads [{lo}, {min(hi, at)}) "
+                f"of the wanted [{w0}, {w1}): give each head one source"
+            )
+        if lo > at:
+            raise LayoutError(f"no source holds heads [{at}, {lo}) of the wanted [{w0}, {w1})")
+        at, prev = hi, name
+    if at < w1:
+        raise LayoutError(f"no source holds heads [{at}, {w1}) of the wanted [{w0}, {w1})")
+    return out
+
+
+def tp_sources(names: Sequence[str], kv_heads: int) -> list[tuple[str, tuple[int, int]]]:
+    """The sources of a tensor-parallel group of ``len(names)`` ranks (rank
+    ``i`` is ``names[i]``) over a model of ``kv_heads`` KV heads, split as
+    :func:`kvbridge.layout.tp_head_range` does.  Where ranks replicate a head
+    (more ranks than heads) the first rank holding it is its source."""
+    out: list[tuple[str, tuple[int, int]]] = []
+    taken: set[tuple[int, int]] = set()
+    for rank, name in enumerate(names):
+        first, n = tp_head_range(kv_heads, len(names), rank)
+        rng = (first, first + n)
+        if rng not in taken:
+            taken.add(rng)
+            out.append((str(name), rng))
+    return out
+
+
+def _joined(rid: str, identity: str, via: str, parts: dict[str, Expectation]) -> Expectation:
+    """One expectation over several parts: done once all are, failed (once,
+    with the first part's error) as soon as one fails, which cancels the rest."""
+    stats = DeliveryStats(rid, identity, via)
+    waits = {name: asyncio.ensure_future(_outcome(p)) for name, p in parts.items()}
+    for w in waits.values():  # the parts after the first failure are not awaited
+        w.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def all_parts() -> list[DeliveryStats]:
+        pending = set(waits.values())
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for f in done:
+                    exc = f.exception()
+                    if exc is not None:
+                        failed = next(n for n, w in waits.items() if w is f)
+                        for name, p in parts.items():
+                            if name != failed:
+                                p.cancel(f"part {failed!r} of request {rid!r} failed: {exc}")
+                        raise exc
+        finally:
+            for f in pending:
+                f.cancel()
+        return [w.result() for w in waits.values()]
+
+    def progress() -> float:
+        return sum(p.progress for p in parts.values()) / max(1, len(parts))
+
+    def cancel(reason: str) -> None:
+        for p in parts.values():
+            p.cancel(reason)
+
+    def finish(results: list[DeliveryStats], st: DeliveryStats) -> None:
+        st.bytes = sum(r.bytes for r in results)
+        st.wire_bytes = sum(r.wire_bytes for r in results)
+        st.path = results[0].path if results else via
+
+    exp = Expectation(stats, all_parts(), progress, cancel, finish)
+    exp.parts = dict(parts)
+    exp.set_tickets({name: p.ticket for name, p in parts.items()})
+    return exp
+
+
+async def _outcome(d: Delivery) -> DeliveryStats:
+    return await d

@@ -65,10 +65,16 @@ def describe(
     head_range: tuple[int, int] | None = None,
 ) -> PeerDescription:
     """The description of a bridge over ``layout`` serving ``model_id``.
-    ``kv_heads`` is the model's KV head count (default: the layout's) and
-    ``head_range`` the range of them that the cache holds (default: all)."""
-    total = layout.num_kv_heads if kv_heads is None else int(kv_heads)
-    h0, h1 = head_range if head_range is not None else (0, total)
+    ``kv_heads`` is the model's KV head count and ``head_range`` the range of
+    them that the cache holds (defaults: the layout's, ``layout.total_kv_heads``
+    and ``layout.head_range``: a tensor-parallel rank describes its own heads)."""
+    total = layout.total_kv_heads if kv_heads is None else int(kv_heads)
+    if head_range is not None:
+        h0, h1 = head_range
+    elif kv_heads is None:
+        h0, h1 = layout.head_range
+    else:
+        h0, h1 = (0, total)
     if not 0 <= h0 < h1 <= total:
         raise InvalidArgument(f"head range [{h0}, {h1}) outside the model's {total} KV heads")
     return PeerDescription(

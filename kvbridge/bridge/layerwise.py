@@ -43,9 +43,10 @@ class LayerwiseSource(KVSource):
         end: int,
         layers: tuple[int, int] | None = None,
         *,
+        heads: tuple[int, int] | None = None,
         layer_timeout: float = 30.0,
     ) -> None:
-        super().__init__(cache, block_table, start, end, layers)
+        super().__init__(cache, block_table, start, end, layers, heads)
         self._cond = threading.Condition()
         self._ready = self.layers[0]
         self._cancelled = False
@@ -146,6 +147,7 @@ class LayerwiseSend(SendGroup):
                     t.start,
                     t.end,
                     (t.layer_start, t.layer_end),
+                    heads=bridge.send_heads(name, t),
                     layer_timeout=layer_timeout,
                 )
                 self._sources[name] = src

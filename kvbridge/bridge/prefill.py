@@ -19,6 +19,7 @@ from ..errors import (
     Cancelled,
     IncompatiblePeer,
     InvalidArgument,
+    LayoutError,
     LeaseExpired,
     Unavailable,
 )
@@ -209,7 +210,28 @@ class PrefillBridge:
         peer = self._ucx_peers.get(name)
         if peer is not None and peer.metadata.agent_id != t.agent_id:
             raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
+        self.send_heads(name, t)
         return t
+
+    def send_heads(self, name: str, t: Ticket) -> tuple[int, int]:
+        """The heads this bridge sends for ticket ``t``: the intersection of
+        the heads the ticket asks for (all the model's when it names none) and
+        those this cache holds.  An empty intersection is a
+        :class:`~kvbridge.errors.LayoutError` (nothing of it is here)."""
+        total = self.layout.total_kv_heads
+        a, b = t.heads if t.heads is not None else (0, total)
+        if b > total:
+            raise LayoutError(
+                f"{name}: the ticket asks for heads [{a}, {b}) of a model with {total} KV heads"
+            )
+        c, d = self.layout.head_range
+        lo, hi = max(a, c), min(b, d)
+        if lo >= hi:
+            raise LayoutError(
+                f"{name}: the ticket asks for heads [{a}, {b}) and this cache holds [{c}, {d}): "
+                "no head in common"
+            )
+        return (lo, hi)
 
     def _checked(self, rid: str, tickets: Mapping[str, bytes | Ticket]) -> dict[str, Ticket]:
         """Every ticket decoded and checked before anything is sent."""
@@ -244,7 +266,12 @@ class PrefillBridge:
             for name, t in checked.items():
                 if name in self._tcp:
                     src = KVSource(
-                        self.cache, block_table, t.start, t.end, (t.layer_start, t.layer_end)
+                        self.cache,
+                        block_table,
+                        t.start,
+                        t.end,
+                        (t.layer_start, t.layer_end),
+                        self.send_heads(name, t),
                     )
                     out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
                 else:
@@ -384,6 +411,7 @@ class PrefillBridge:
             t.end,
             layers or (t.layer_start, t.layer_end),
             timeout=timeout,
+            heads=self.send_heads(name, t),
         )
         stats = DeliveryStats(rid, name, "ucx")
 

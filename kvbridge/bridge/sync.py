@@ -20,8 +20,8 @@ import math
 import ssl as _ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, overload
 
 import numpy as np
 
@@ -366,6 +366,38 @@ class SyncBridge:
         )
 
     # ---- receiving ------------------------------------------------------------------
+    @overload
+    def expect(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        start: int,
+        end: int,
+        *,
+        layers: tuple[int, int] | None = ...,
+        via: str = ...,
+        timeout: float = ...,
+        peer: str = ...,
+        heads: tuple[int, int] | None = ...,
+        sources: None = ...,
+    ) -> bytes: ...
+
+    @overload
+    def expect(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        start: int,
+        end: int,
+        *,
+        layers: tuple[int, int] | None = ...,
+        via: str = ...,
+        timeout: float = ...,
+        peer: str = ...,
+        heads: tuple[int, int] | None = ...,
+        sources: Sequence[tuple[str, tuple[int, int]]],
+    ) -> dict[str, bytes]: ...
+
     def expect(
         self,
         request_id: str | int,
@@ -377,17 +409,28 @@ class SyncBridge:
         via: str = "tcp",
         timeout: float = 60.0,
         peer: str = "",
-    ) -> bytes:
+        heads: tuple[int, int] | None = None,
+        sources: Sequence[tuple[str, tuple[int, int]]] | None = None,
+    ) -> bytes | dict[str, bytes]:
         """Expect tokens ``[start, end)`` of a request into our pages
         ``block_table``; returns the ticket (opaque bytes) for the sender.
         The outcome arrives through :meth:`poll` (``received`` or ``failed``,
-        ``peer`` as given here).  The block table is copied."""
+        ``peer`` as given here).  The block table is copied.
+
+        With tensor parallelism, ``heads`` is the range of the model's KV
+        heads wanted (default all the cache holds) and ``sources`` the
+        sender ranks and the heads each holds, ``[(name, (h0, h1)), ...]``
+        (:func:`kvbridge.bridge.tp_sources`): then the call returns a dict of
+        one ticket per sender that holds some of the wanted heads, and
+        :meth:`poll` reports the request once, when all of them landed or
+        when the first part failed (which cancels the others)."""
         lt = self._running("expect()")
         rid = str(request_id)
         bt = _table(block_table)
         _seconds(timeout, "timeout")
+        srcs = None if sources is None else list(sources)
 
-        def run() -> bytes:
+        def run() -> bytes | dict[str, bytes]:
             self._on_loop_check("expect()")
             if self._decode is None:
                 raise Unavailable(
@@ -397,12 +440,22 @@ class SyncBridge:
             with self._lock:
                 if rid in self._recvs:
                     raise InvalidArgument(f"request {rid!r} is already expected")
-            exp = self._decode.expect(rid, bt, start, end, layers=layers, via=via, timeout=timeout)
+            exp = self._decode.expect(
+                rid,
+                bt,
+                start,
+                end,
+                layers=layers,
+                via=via,
+                timeout=timeout,
+                heads=heads,
+                sources=srcs,
+            )
             st = _Recv(rid, peer, exp)
             with self._lock:
                 self._recvs[rid] = st
             exp.add_done_callback(lambda d: self._on_received(st, d))
-            return exp.ticket
+            return exp.ticket if srcs is None else dict(exp.tickets)
 
         return lt.call_fn(run, self.call_timeout, "expect()")
 

@@ -23,10 +23,14 @@ Encoding (little-endian; docs/protocol.md 8.3, "Transfer tickets")::
     UCX:  agent  16s, pages u32 (<= 2**24), then pages x i32 block table
     version 2 only: ext_len u16, then ext_len bytes of records
                     (tag u8, length u16, value): 0x01 the receiver's model
-                    (UTF-8); tags 0x80-0xFF are critical (a decoder that does
-                    not know one refuses the ticket; 0x81 is reserved for the
-                    head range of heterogeneous tensor parallelism); other
-                    unknown tags are skipped
+                    (UTF-8), 0x81 the receiver's wanted head range of the
+                    model's KV heads (u32 h0, u32 h1: heads [h0, h1));
+                    tags 0x80-0xFF are critical (a decoder that does not know
+                    one refuses the ticket); other unknown tags are skipped
+
+A ticket without the head range asks for the receiver's whole head range,
+which kvbridge writes only for a receiver holding all of the model's heads:
+so a decoder reads its absence as all the model's heads.
 
 A ticket without extensions is encoded as version 1, byte for byte as before.
 """
@@ -50,10 +54,11 @@ MAX_RID = 1024
 MAX_PAGES = 1 << 24
 MAX_MODEL = 4096
 EXT_MODEL = 0x01
-EXT_HEAD_RANGE = 0x81  # reserved: heterogeneous tensor parallelism
+EXT_HEAD_RANGE = 0x81  # the receiver's wanted head range (heterogeneous tensor parallelism)
 EXT_CRITICAL = 0x80
 _HEAD = struct.Struct("<4sBBHQQIIQH")
 _EXT = struct.Struct("<BH")
+_HEADS = struct.Struct("<II")
 
 
 class TicketTransport(enum.IntEnum):
@@ -74,14 +79,22 @@ class Ticket:
     agent_id: bytes = b""  # UCX: the receiving agent
     block_table: tuple[int, ...] = ()  # UCX: the receiver's pages for the request
     model: str = ""  # the receiver's model identity (version 2); empty: not given
+    # the model's KV heads [h0, h1) the receiver wants (version 2); None: all of them
+    heads: tuple[int, int] | None = None
 
     def _extensions(self) -> bytes:
-        if not self.model:
-            return b""
-        model = self.model.encode("utf-8")
-        if len(model) > MAX_MODEL:
-            raise RemoteProtocolError(f"model id longer than {MAX_MODEL} bytes for a ticket")
-        return _EXT.pack(EXT_MODEL, len(model)) + model
+        out = b""
+        if self.model:
+            model = self.model.encode("utf-8")
+            if len(model) > MAX_MODEL:
+                raise RemoteProtocolError(f"model id longer than {MAX_MODEL} bytes for a ticket")
+            out += _EXT.pack(EXT_MODEL, len(model)) + model
+        if self.heads is not None:
+            h0, h1 = self.heads
+            if not 0 <= h0 < h1 <= 0xFFFFFFFF:
+                raise RemoteProtocolError(f"head range {self.heads!r} cannot go in a ticket")
+            out += _EXT.pack(EXT_HEAD_RANGE, _HEADS.size) + _HEADS.pack(h0, h1)
+        return out
 
     def encode(self) -> bytes:
         rid = self.request_id.encode()
@@ -133,9 +146,18 @@ class Ticket:
         if kind is TicketTransport.TCP:
             if len(mv) < off + 16 or (ver == 1 and len(mv) != off + 16):
                 raise RemoteProtocolError("TCP ticket must end with a 16-byte token")
-            model = _decode_extensions(mv, off + 16) if ver == 2 else ""
+            model, heads = _decode_extensions(mv, off + 16) if ver == 2 else ("", None)
             return cls(
-                kind, rid, start, end, l0, l1, compat, token=bytes(mv[off : off + 16]), model=model
+                kind,
+                rid,
+                start,
+                end,
+                l0,
+                l1,
+                compat,
+                token=bytes(mv[off : off + 16]),
+                model=model,
+                heads=heads,
             )
         if len(mv) < off + 20:
             raise RemoteProtocolError("truncated UCX ticket")
@@ -145,15 +167,25 @@ class Ticket:
         if n > MAX_PAGES or len(mv) < off + 4 * n or (ver == 1 and len(mv) != off + 4 * n):
             raise RemoteProtocolError("UCX ticket block table length mismatch")
         bt = tuple(int(x) for x in np.frombuffer(mv[off : off + 4 * n], dtype="<i4"))
-        model = _decode_extensions(mv, off + 4 * n) if ver == 2 else ""
+        model, heads = _decode_extensions(mv, off + 4 * n) if ver == 2 else ("", None)
         return cls(
-            kind, rid, start, end, l0, l1, compat, agent_id=agent, block_table=bt, model=model
+            kind,
+            rid,
+            start,
+            end,
+            l0,
+            l1,
+            compat,
+            agent_id=agent,
+            block_table=bt,
+            model=model,
+            heads=heads,
         )
 
 
-def _decode_extensions(mv: memoryview, off: int) -> str:
-    """The model named by a version-2 ticket's extension records at ``off``
-    (which must be exactly the rest of the ticket)."""
+def _decode_extensions(mv: memoryview, off: int) -> tuple[str, tuple[int, int] | None]:
+    """The model and the head range named by a version-2 ticket's extension
+    records at ``off`` (which must be exactly the rest of the ticket)."""
     if len(mv) < off + 2:
         raise RemoteProtocolError("version-2 ticket lacks its extension length")
     (n,) = struct.unpack_from("<H", mv, off)
@@ -161,6 +193,7 @@ def _decode_extensions(mv: memoryview, off: int) -> str:
     if len(mv) != off + n:
         raise RemoteProtocolError("ticket extension length does not match the ticket")
     model = ""
+    heads: tuple[int, int] | None = None
     seen: set[int] = set()
     end = off + n
     while off < end:
@@ -182,8 +215,17 @@ def _decode_extensions(mv: memoryview, off: int) -> str:
                 model = value.decode("utf-8")
             except UnicodeDecodeError:
                 raise RemoteProtocolError("ticket model id is not UTF-8") from None
+        elif tag == EXT_HEAD_RANGE:
+            if length != _HEADS.size:
+                raise RemoteProtocolError(
+                    f"ticket head range of {length} bytes (8: u32 h0, u32 h1)"
+                )
+            h0, h1 = _HEADS.unpack(value)
+            if h0 >= h1:
+                raise RemoteProtocolError(f"ticket head range [{h0}, {h1}) is empty")
+            heads = (int(h0), int(h1))
         elif tag & EXT_CRITICAL:
             raise RemoteProtocolError(
                 f"ticket needs extension {tag:#04x}, which this kvbridge does not know"
             )
-    return model
+    return model, heads

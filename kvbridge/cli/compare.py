@@ -25,6 +25,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -36,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KVBridgeTimeout, PeerGone
+from ..errors import KVBridgeError, KVBridgeTimeout, PeerGone
 from ..layout import DType, KVLayout
-from .compare_peers import Scenario, receiver_main, sender_main
+from .compare_peers import Scenario, side_main
 
 LIBS = ("kvbridge", "nixl", "mooncake", "ucxx", "perftest")
 _MODULES = {
@@ -70,12 +71,15 @@ class Row:
     env: dict[str, str]
     opts: dict[str, Any]
     setting: str
+    background: bool = False  # busy threads while idle: stopped between its bursts
     times: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     corrupt: int = 0
 
 
-def rows_for(libs: list[str]) -> list[Row]:
+def rows_for(libs: list[str], put_windows: tuple[int, ...] = ()) -> list[Row]:
+    """The rows of ``libs``; every value of ``put_windows`` adds a kvbridge
+    row with that ``put_window`` (0: no limit)."""
     out: list[Row] = []
     if "kvbridge" in libs:
         out.append(
@@ -84,10 +88,21 @@ def rows_for(libs: list[str]) -> list[Row]:
                 "kvbridge",
                 {},
                 {},
-                "defaults: error_mode=none, 256k TCP segments, progress=thread, busy_poll_us=1000",
+                "defaults: error_mode=none, 256k TCP segments, progress=thread, "
+                "busy_poll_us=1000, put_window=64",
             )
         )
         out.append(Row("kvbridge peer", "kvbridge", {}, {"error_mode": "peer"}, "error_mode=peer"))
+        for w in put_windows:
+            out.append(
+                Row(
+                    f"kvbridge window={w}",
+                    "kvbridge",
+                    {},
+                    {"put_window": w},
+                    f"defaults but put_window={w}" + (" (no limit)" if w == 0 else ""),
+                )
+            )
     if "nixl" in libs:
         out.append(
             Row(
@@ -105,6 +120,7 @@ def rows_for(libs: list[str]) -> list[Row]:
                 {},
                 {"progress_thread": True, "params": {}},
                 "defaults: progress thread on, ucx_error_handling_mode=peer",
+                background=True,  # its progress threads spin (a core each) while idle
             )
         )
     if "mooncake" in libs:
@@ -112,7 +128,7 @@ def rows_for(libs: list[str]) -> list[Row]:
             Row(
                 "Mooncake TE",
                 "mooncake",
-                {},
+                {"GLOG_minloglevel": "2"},  # its informational log lines only
                 {},
                 "TCP transport, defaults, batches of 1024 (its TCP limit)",
             )
@@ -170,6 +186,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved runs of every row")
     p.add_argument("--loads", default="idle,busy", help="comma list of: idle, busy (one core)")
     p.add_argument("--timeout", type=float, default=600.0, help="per run")
+    p.add_argument(
+        "--put-windows",
+        default="",
+        help="comma list of put_window values: one more kvbridge row each (0: no limit)",
+    )
 
 
 def missing_libraries(libs: list[str]) -> dict[str, str]:
@@ -237,53 +258,88 @@ def scenarios(args: Any) -> list[Scenario]:
     return out
 
 
-# ---- one run of one row ----------------------------------------------------------------
-def run_one(row: Row, scen: Scenario, setting: str, iters: int, timeout: float) -> dict[str, Any]:
-    """One receiver and one sender process; the sender's times (warm-up
-    dropped) and whether the bytes arrived intact."""
-    env = {"UCX_TLS": SETTINGS[setting], **row.env}
-    if row.lib == "perftest":
-        return run_perftest(scen, env, iters, timeout)
-    ctx = mp.get_context("spawn")
-    rconn, rchild = ctx.Pipe()
-    sconn, schild = ctx.Pipe()
-    recv = ctx.Process(
-        target=receiver_main,
-        args=(rchild, env, row.lib, scen, iters, row.opts),
-        daemon=True,
-        name=f"{row.name} receiver",
-    )
-    recv.start()
-    send = None
-    try:
-        msg = _get(rconn, timeout, recv)
-        if msg[0] != "ready":
-            return {"error": msg[1]}
-        send = ctx.Process(
-            target=sender_main,
-            args=(schild, env, row.lib, scen, iters, msg[1], row.opts),
-            daemon=True,
-            name=f"{row.name} sender",
-        )
-        send.start()
-        res = _get(sconn, timeout, send)
-        if res[0] != "times":
-            return {"error": res[1]}
-        rconn.send(("digest",))
-        dig = _get(rconn, timeout, recv)
-        if dig[0] != "digest":
-            return {"error": dig[1]}
-        return {"times": res[1][1:], "ok": dig[1] == res[2]}
-    except (KVBridgeTimeout, PeerGone) as e:
-        return {"error": str(e)}
-    finally:
-        for p in (send, recv):
-            if p is not None:
-                p.join(5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        for c in (rconn, sconn, rchild, schild):
+# ---- one row's processes: a pair that stays up and moves bursts -----------------------------
+class Pair:
+    """A row's receiver and sender processes, up for one (load, scenario,
+    UCX_TLS); ``burst(n)`` moves ``n`` transfers and checks the landed bytes.
+    A row with busy background threads (``Row.background``) is stopped
+    (SIGSTOP) between its bursts, so that it takes no core from the others."""
+
+    def __init__(self, row: Row, scen: Scenario, setting: str, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        env = {"UCX_TLS": SETTINGS[setting], **row.env}
+        self.row = row
+        self.timeout = timeout
+        self.conns: list[Any] = []
+        self.procs: list[Any] = []
+        self.tag = 0
+        for role in (0, 1):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=side_main,
+                args=(child, role, env, row.lib, scen, row.opts),
+                daemon=True,
+                name=f"{row.name} {'sender' if role == 0 else 'receiver'}",
+            )
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.paused = False
+
+    def get(self, i: int, want: str) -> Any:
+        msg = _get(self.conns[i], self.timeout, self.procs[i])
+        if msg[0] != want:
+            raise KVBridgeError(f"{self.procs[i].name}: {msg[1] if msg[0] == 'error' else msg}")
+        return msg
+
+    def start(self) -> None:
+        info = self.get(1, "info")[1]
+        self.get(0, "info")
+        self.conns[0].send(("peer", info))
+        self.get(1, "ready")
+        self.get(0, "ready")
+        self.conns[0].send(("digest",))
+        self.source_digest = self.get(0, "digest")[1]
+
+    def burst(self, n: int) -> tuple[list[float], bool]:
+        """Times of ``n`` transfers, and whether the landed bytes match."""
+        self.resume()
+        self.tag += 1
+        self.conns[1].send(("arm", n, f"b{self.tag}"))
+        self.get(1, "armed")
+        self.conns[0].send(("run", n, f"b{self.tag}"))
+        times = self.get(0, "times")[1]
+        self.conns[1].send(("check",))
+        ok = self.get(1, "digest")[1] == self.source_digest
+        if self.row.background:
+            self.pause()
+        return times, ok
+
+    def pause(self) -> None:
+        if not self.paused:
+            for p in self.procs:
+                os.kill(p.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            for p in self.procs:
+                os.kill(p.pid, signal.SIGCONT)
+            self.paused = False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ProcessLookupError):
+            self.resume()
+        for c in self.conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                c.send(("quit",))
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self.conns:
             c.close()
 
 
@@ -386,30 +442,76 @@ def compare(
     rounds: int = 1,
     loads: tuple[str, ...] = ("idle",),
     verbose: bool = True,
+    put_windows: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
-    """Every row of every (load, scenario, setting), in interleaved rounds."""
+    """Every row of every (load, scenario, setting).  The rows' processes
+    stay up together and take turns: ``rounds`` rounds of one burst of
+    ``iters`` transfers per row (order reversed every other round), after
+    one warm-up transfer each; ``ucx_perftest`` runs once per round."""
     out: list[dict[str, Any]] = []
     for load in loads:
         with spinning_core(load == "busy"):
             for scen in scens:
                 for setting in settings:
-                    rows = rows_for(libs)
-                    for _ in range(rounds):
-                        for row in rows:
-                            r = run_one(row, scen, setting, iters, timeout)
-                            if "error" in r:
-                                row.errors.append(r["error"])
-                            else:
-                                row.times += r["times"]
-                                row.corrupt += 0 if r["ok"] else 1
-                            if verbose:
-                                print(
-                                    f"  {load} / {scen.name} / {setting} / {row.name}: "
-                                    f"{r.get('error') or _ms(r['times'])}",
-                                    flush=True,
-                                )
+                    rows = rows_for(libs, put_windows)
+                    pairs = _start_pairs(rows, scen, setting, timeout)
+                    try:
+                        for r in range(rounds):
+                            for row in rows if r % 2 == 0 else rows[::-1]:
+                                before, nerr = len(row.times), len(row.errors)
+                                _one_burst(row, pairs.get(row.name), scen, setting, iters, timeout)
+                                if verbose:
+                                    got = (
+                                        row.errors[-1]
+                                        if len(row.errors) > nerr
+                                        else _ms(row.times[before:])
+                                    )
+                                    print(
+                                        f"  {load} / {scen.name} / {setting} / {row.name}: {got}",
+                                        flush=True,
+                                    )
+                    finally:
+                        for pair in pairs.values():
+                            pair.close()
                     out += _summarise(rows, scen, setting, load)
     return out
+
+
+def _start_pairs(rows: list[Row], scen: Scenario, setting: str, timeout: float) -> dict[str, Pair]:
+    pairs: dict[str, Pair] = {}
+    for row in rows:
+        if row.lib == "perftest":
+            continue
+        pair = Pair(row, scen, setting, timeout)
+        try:
+            pair.start()
+            pair.burst(1)  # warm-up, dropped
+            pairs[row.name] = pair
+        except (KVBridgeError, OSError) as e:
+            row.errors.append(str(e))
+            pair.close()
+    return pairs
+
+
+def _one_burst(
+    row: Row, pair: Pair | None, scen: Scenario, setting: str, iters: int, timeout: float
+) -> None:
+    if row.lib == "perftest":
+        r = run_perftest(scen, {"UCX_TLS": SETTINGS[setting], **row.env}, iters, timeout)
+        if "error" in r:
+            row.errors.append(r["error"])
+        else:
+            row.times += r["times"]
+        return
+    if pair is None:
+        return  # it failed to start (the error is recorded)
+    try:
+        times, ok = pair.burst(iters)
+    except (KVBridgeError, OSError) as e:
+        row.errors.append(str(e))
+        return
+    row.times += times
+    row.corrupt += 0 if ok else 1
 
 
 def _ms(times: list[float]) -> str:
@@ -485,6 +587,7 @@ def run(args: Any) -> int:
         args.timeout,
         args.rounds,
         tuple(x for x in args.loads.split(",") if x),
+        put_windows=tuple(int(x) for x in args.put_windows.split(",") if x),
     )
     print(format_table(results))
     return 0 if all(r.get("ok", False) for r in results) else 1

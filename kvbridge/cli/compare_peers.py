@@ -1,7 +1,25 @@
 """Process bodies of ``kvbridge-bench compare``: one receiver and one sender
-per library, started with multiprocessing spawn.  Every library moves the same
-pieces (one per page, layer and K/V component) between the same two buffers;
-kvbridge is given the block tables instead and coalesces them itself."""
+per library, started with multiprocessing spawn, that stay up for a whole
+scenario and move a burst of transfers on each command, so that the rows of a
+run take turns.  Every library moves the same pieces (one per page, layer and
+K/V component) between the same two buffers; kvbridge is given the block
+tables instead and coalesces them itself.
+
+The commands, over each side's pipe (the parent's ``Pair`` drives them):
+
+- both sides first send ``("info", x)``; the parent hands the receiver's
+  ``x`` to the sender (``("peer", x)``), then each side answers
+  ``("ready",)``;
+- receiver ``("arm", n, tag)``: zero the destination buffer, get ready for
+  ``n`` transfers (kvbridge: expect them), answer ``("armed",)``;
+- sender ``("run", n, tag)``: move ``n`` transfers, each timed from its post
+  until the sender knows the bytes landed; answer ``("times", [seconds])``;
+- receiver ``("check",)``: once all ``n`` landed (kvbridge: its expects
+  completed; NIXL: its notifications arrived; ucxx: its receives completed),
+  answer ``("digest", hex)`` of the destination pieces;
+- sender ``("digest",)``: the digest of the source pieces;
+- ``("quit",)``.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument, KVBridgeError, Unavailable
+from ..errors import InvalidArgument, KVBridgeError, TransferTimeout, Unavailable
 from ..layout import KVLayout
 from ..transport.tcp import run
+
+BURST_DEADLINE = 600.0  # seconds, every wait of a side
 
 
 @dataclass(frozen=True)
@@ -70,40 +90,38 @@ def _digest(buf: np.ndarray, off: np.ndarray, length: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def receiver_main(
-    conn: Any, env: dict[str, str], lib: str, scen: Scenario, iters: int, opts: dict[str, Any]
+def side_main(
+    conn: Any, role: int, env: dict[str, str], lib: str, scen: Scenario, opts: dict[str, Any]
 ) -> None:
+    """Role 0 sends, role 1 receives."""
     os.environ.update(env)
     try:
-        _RECEIVERS[lib](conn, scen, iters, opts)
+        _SIDES[lib][role](conn, scen, opts)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def sender_main(
-    conn: Any,
-    env: dict[str, str],
-    lib: str,
-    scen: Scenario,
-    iters: int,
-    info: Any,
-    opts: dict[str, Any],
-) -> None:
-    os.environ.update(env)
-    try:
-        buf = _buffer(scen, fill=True)
-        times = _SENDERS[lib](buf, scen, iters, info, opts)
-        off, length = scen.pieces(scen.src_bt)
-        conn.send(("times", times, _digest(buf, off, length)))
-    except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+class _Side:
+    """What every side shares: the buffer, the pipe, the digest."""
+
+    def __init__(self, conn: Any, scen: Scenario, role: int) -> None:
+        self.conn = conn
+        self.scen = scen
+        self.buf = _buffer(scen, fill=role == 0)
+        self.off, self.length = scen.pieces(scen.src_bt if role == 0 else scen.dst_bt)
+
+    def digest(self) -> str:
+        return _digest(self.buf, self.off, self.length)
+
+    def zero(self) -> None:
+        mv = self.buf
+        for o, n in zip(self.off.tolist(), self.length.tolist(), strict=True):
+            mv[o : o + n] = 0
 
 
-def _finish_receiver(conn: Any, buf: np.ndarray, scen: Scenario) -> None:
-    msg = conn.recv()
-    assert msg[0] == "digest"
-    off, length = scen.pieces(scen.dst_bt)
-    conn.send(("digest", _digest(buf, off, length)))
+def _deadline_passed(t0: float, what: str) -> None:
+    if time.monotonic() - t0 > BURST_DEADLINE:
+        raise TransferTimeout(f"{what} not done within {BURST_DEADLINE} s")
 
 
 # ---- kvbridge ------------------------------------------------------------------------
@@ -113,98 +131,148 @@ def _kvb_cache(buf: np.ndarray, scen: Scenario) -> np.ndarray:
     return buf.view(dt).reshape(lay.cache_shape(scen.num_pages))
 
 
-def _kvb_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
+def _kvb_agent(side: _Side, opts: dict[str, Any]) -> Any:
     from ..transport.ucx import UcxAgent
 
+    return UcxAgent(
+        side.scen.layout, _kvb_cache(side.buf, side.scen), staging_bytes=0, timeout=300, **opts
+    )
+
+
+def _kvb_receiver(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
+    side = _Side(conn, scen, 1)
+
     async def main() -> None:
-        buf = _buffer(scen, fill=False)
-        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, timeout=300, **opts)
-        handles = [
-            agent.expect(f"it{i}", scen.dst_bt, scen.start, scen.end) for i in range(iters + 1)
-        ]
-        conn.send(("ready", agent.metadata()))
-        for h in handles:
-            await h
+        agent = _kvb_agent(side, opts)
+        conn.send(("info", agent.metadata()))
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, _finish_receiver, conn, buf, scen)
+        conn.send(("ready",))
+        handles: list[Any] = []
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "arm":
+                side.zero()
+                n, tag = cmd[1], cmd[2]
+                handles = [
+                    agent.expect(f"{tag}.{i}", scen.dst_bt, scen.start, scen.end) for i in range(n)
+                ]
+                conn.send(("armed",))
+            elif cmd[0] == "check":
+                for h in handles:
+                    await h
+                conn.send(("digest", side.digest()))
         await agent.close()
 
     run(main())
 
 
-def _kvb_sender(
-    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
-) -> list[float]:
-    from ..transport.ucx import UcxAgent
+def _kvb_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
+    side = _Side(conn, scen, 0)
 
-    async def main() -> list[float]:
-        agent = UcxAgent(scen.layout, _kvb_cache(buf, scen), staging_bytes=0, timeout=300, **opts)
-        peer = await agent.connect(info)
-        times = []
-        for i in range(iters + 1):
-            t = time.perf_counter()
-            await peer.send(f"it{i}", scen.src_bt, scen.dst_bt, scen.start, scen.end)
-            times.append(time.perf_counter() - t)
+    async def main() -> None:
+        agent = _kvb_agent(side, opts)
+        conn.send(("info", None))
+        loop = asyncio.get_running_loop()
+        peer = await agent.connect((await loop.run_in_executor(None, conn.recv))[1])
+        conn.send(("ready",))
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "digest":
+                conn.send(("digest", side.digest()))
+            elif cmd[0] == "run":
+                times = []
+                for i in range(cmd[1]):
+                    t = time.perf_counter()
+                    await peer.send(f"{cmd[2]}.{i}", scen.src_bt, scen.dst_bt, scen.start, scen.end)
+                    times.append(time.perf_counter() - t)
+                conn.send(("times", times))
         await agent.close()
-        return times
 
-    return run(main())
+    run(main())
 
 
 # ---- raw ucxx: one contiguous buffer of the same size -------------------------------
-def _ucxx_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
+def _ucxx_receiver(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
     import ucxx
 
     async def main() -> None:
-        buf = np.zeros(scen.nbytes, dtype=np.uint8)
-        done = asyncio.Event()
-        errors: list[str] = []
+        flat = np.zeros(scen.nbytes, dtype=np.uint8)  # one contiguous buffer, not the pages
+        eps: asyncio.Queue[Any] = asyncio.Queue()
 
         async def serve(ep: Any) -> None:
-            try:
-                for _ in range(iters + 1):
-                    await ep.recv(buf)
-                # the sender exits after this ack, not before the last bytes landed
-                await ep.send(np.ones(1, dtype=np.uint8))
-            except Exception as e:
-                errors.append(f"{type(e).__name__}: {e}")
-            finally:
-                done.set()
+            await eps.put(ep)
+            await closed.wait()
 
+        closed = asyncio.Event()
         listener = ucxx.create_listener(serve)
-        conn.send(("ready", listener.port))
-        await done.wait()
+        conn.send(("info", listener.port))
+        loop = asyncio.get_running_loop()
+        ep = await asyncio.wait_for(eps.get(), 60)
+        conn.send(("ready",))
+        task: asyncio.Task[None] | None = None
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "arm":
+                flat[:] = 0
+                n = cmd[1]
+
+                async def receive(n: int = n) -> None:
+                    for _ in range(n):
+                        await ep.recv(flat)
+                    # the sender's last send completes after this ack, not before
+                    await ep.send(np.ones(1, dtype=np.uint8))
+
+                task = asyncio.ensure_future(receive())
+                conn.send(("armed",))
+            elif cmd[0] == "check":
+                assert task is not None
+                await asyncio.wait_for(task, BURST_DEADLINE)
+                conn.send(("digest", _digest(flat, np.zeros(1, np.int64), np.array([flat.size]))))
+        closed.set()
         listener.close()
-        msg = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
-        assert msg[0] == "digest"
-        if errors:
-            conn.send(("error", errors[0]))
-        else:
-            conn.send(("digest", _digest(buf, np.zeros(1, dtype=np.int64), np.array([buf.size]))))
 
     run(main())
 
 
-def _ucxx_sender(
-    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
-) -> list[float]:
+def _ucxx_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
     import ucxx
 
-    async def main() -> list[float]:
-        ep = await ucxx.create_endpoint("127.0.0.1", info)
-        off, length = scen.pieces(scen.src_bt)
-        flat = np.concatenate(
-            [buf[o : o + n] for o, n in zip(off.tolist(), length.tolist(), strict=True)]
-        )
-        times = []
-        for _ in range(iters + 1):
-            t = time.perf_counter()
-            await ep.send(flat)
-            times.append(time.perf_counter() - t)
-        await ep.recv(np.empty(1, dtype=np.uint8))
-        return times
+    side = _Side(conn, scen, 0)
 
-    return run(main())
+    async def main() -> None:
+        conn.send(("info", None))
+        loop = asyncio.get_running_loop()
+        port = (await loop.run_in_executor(None, conn.recv))[1]
+        ep = await ucxx.create_endpoint("127.0.0.1", port)
+        flat = np.concatenate(
+            [
+                side.buf[o : o + n]
+                for o, n in zip(side.off.tolist(), side.length.tolist(), strict=True)
+            ]
+        )
+        conn.send(("ready",))
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            if cmd[0] == "digest":
+                conn.send(("digest", _digest(flat, np.zeros(1, np.int64), np.array([flat.size]))))
+            elif cmd[0] == "run":
+                times = []
+                for _ in range(cmd[1]):
+                    t = time.perf_counter()
+                    await ep.send(flat)
+                    times.append(time.perf_counter() - t)
+                await ep.recv(np.empty(1, dtype=np.uint8))
+                conn.send(("times", times))
+
+    run(main())
 
 
 # ---- NIXL (UCX backend, DRAM descriptors) ----------------------------------------------
@@ -217,47 +285,70 @@ def _nixl_agent(name: str, opts: dict[str, Any]) -> Any:
     return agent
 
 
-def _nixl_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
-    buf = _buffer(scen, fill=False)
+def _nixl_receiver(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
+    side = _Side(conn, scen, 1)
     agent = _nixl_agent("kvb-target", opts)
-    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-    conn.send(("ready", (agent.get_agent_metadata(), buf.ctypes.data)))
-    # Without a progress thread the target progresses while it waits for the
-    # notifications (get_new_notifs), as NIXL's examples do; the sender posts
-    # every transfer with one.
-    got, deadline = 0, time.monotonic() + 600
-    while got < iters + 1 and time.monotonic() < deadline:
-        got += sum(len(v) for v in agent.get_new_notifs().values())
-        if opts.get("progress_thread", True) and got < iters + 1:
-            time.sleep(0.001)
-    _finish_receiver(conn, buf, scen)
+    agent.register_memory([(side.buf.ctypes.data, side.buf.nbytes, 0, "")], "DRAM")
+    conn.send(("info", (agent.get_agent_metadata(), side.buf.ctypes.data)))
+    conn.send(("ready",))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] != "arm":
+            continue
+        side.zero()
+        n = cmd[1]
+        conn.send(("armed",))
+        # Without a progress thread the target progresses while it waits for
+        # the notifications (get_new_notifs), as NIXL's examples do; the
+        # sender posts every transfer with one.
+        got, t0, spins = 0, time.monotonic(), 0
+        while got < n:
+            got += sum(len(v) for v in agent.get_new_notifs().values())
+            spins += 1
+            if opts.get("progress_thread", True) and got < n:
+                time.sleep(0.001)
+            if spins % 4096 == 0:
+                _deadline_passed(t0, "NIXL notifications")
+        cmd = conn.recv()
+        assert cmd[0] == "check"
+        conn.send(("digest", side.digest()))
 
 
-def _nixl_sender(
-    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
-) -> list[float]:
-    md, dst_base = info
+def _nixl_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
+    side = _Side(conn, scen, 0)
     agent = _nixl_agent("kvb-initiator", opts)
-    agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+    agent.register_memory([(side.buf.ctypes.data, side.buf.nbytes, 0, "")], "DRAM")
+    conn.send(("info", None))
+    md, dst_base = conn.recv()[1]
     remote = agent.add_remote_agent(md)
-    soff, length = scen.pieces(scen.src_bt)
     doff, _ = scen.pieces(scen.dst_bt)
-    zeros = np.zeros_like(length)
-    local = agent.get_xfer_descs(np.stack([soff + buf.ctypes.data, length, zeros], 1), "DRAM")
-    rem = agent.get_xfer_descs(np.stack([doff + dst_base, length, zeros], 1), "DRAM")
+    zeros = np.zeros_like(side.length)
+    local = agent.get_xfer_descs(
+        np.stack([side.off + side.buf.ctypes.data, side.length, zeros], 1), "DRAM"
+    )
+    rem = agent.get_xfer_descs(np.stack([doff + dst_base, side.length, zeros], 1), "DRAM")
     handle = agent.initialize_xfer("WRITE", local, rem, remote, b"kvb")
-    times = []
-    deadline = time.monotonic() + 600
-    for _ in range(iters + 1):
-        t = time.perf_counter()
-        state = agent.transfer(handle)
-        while state == "PROC" and time.monotonic() < deadline:
-            state = agent.check_xfer_state(handle)
-        if state != "DONE":
-            raise KVBridgeError(f"NIXL transfer state {state}")
-        times.append(time.perf_counter() - t)
+    conn.send(("ready",))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] == "digest":
+            conn.send(("digest", side.digest()))
+        elif cmd[0] == "run":
+            times = []
+            for _ in range(cmd[1]):
+                t = time.perf_counter()
+                state = agent.transfer(handle)
+                while state == "PROC" and time.perf_counter() - t < BURST_DEADLINE:
+                    state = agent.check_xfer_state(handle)
+                if state != "DONE":
+                    raise KVBridgeError(f"NIXL transfer state {state}")
+                times.append(time.perf_counter() - t)
+            conn.send(("times", times))
     agent.release_xfer_handle(handle)
-    return times
 
 
 # ---- Mooncake transfer engine (TCP) ---------------------------------------------------------
@@ -270,50 +361,60 @@ def _mooncake_engine() -> Any:
     return te
 
 
-def _mooncake_receiver(conn: Any, scen: Scenario, iters: int, opts: dict[str, Any]) -> None:
-    buf = _buffer(scen, fill=False)
+def _mooncake_receiver(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
+    side = _Side(conn, scen, 1)
     te = _mooncake_engine()
-    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+    if te.register_memory(side.buf.ctypes.data, side.buf.nbytes) != 0:
         raise Unavailable("Mooncake register_memory failed")
-    conn.send(("ready", (f"127.0.0.1:{te.get_rpc_port()}", buf.ctypes.data)))
-    _finish_receiver(conn, buf, scen)
+    conn.send(("info", (f"127.0.0.1:{te.get_rpc_port()}", side.buf.ctypes.data)))
+    conn.send(("ready",))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] == "arm":
+            side.zero()
+            conn.send(("armed",))
+        elif cmd[0] == "check":  # the sender's writes are synchronous: they landed
+            conn.send(("digest", side.digest()))
 
 
 MOONCAKE_BATCH = 1024  # its TCP transport rejects larger batches by default
 
 
-def _mooncake_sender(
-    buf: np.ndarray, scen: Scenario, iters: int, info: Any, opts: dict[str, Any]
-) -> list[float]:
-    target, dst_base = info
-    soff, length = scen.pieces(scen.src_bt)
-    doff, _ = scen.pieces(scen.dst_bt)
+def _mooncake_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
+    side = _Side(conn, scen, 0)
     te = _mooncake_engine()
-    if te.register_memory(buf.ctypes.data, buf.nbytes) != 0:
+    if te.register_memory(side.buf.ctypes.data, side.buf.nbytes) != 0:
         raise Unavailable("Mooncake register_memory failed")
-    src = (soff + buf.ctypes.data).tolist()
+    conn.send(("info", None))
+    target, dst_base = conn.recv()[1]
+    doff, _ = scen.pieces(scen.dst_bt)
+    src = (side.off + side.buf.ctypes.data).tolist()
     dst = (doff + dst_base).tolist()
-    lens = length.tolist()
-    times = []
-    for _ in range(iters + 1):
-        t = time.perf_counter()
-        for i in range(0, len(lens), MOONCAKE_BATCH):
-            j = i + MOONCAKE_BATCH
-            if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
-                raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
-        times.append(time.perf_counter() - t)
-    return times
+    lens = side.length.tolist()
+    conn.send(("ready",))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] == "digest":
+            conn.send(("digest", side.digest()))
+        elif cmd[0] == "run":
+            times = []
+            for _ in range(cmd[1]):
+                t = time.perf_counter()
+                for i in range(0, len(lens), MOONCAKE_BATCH):
+                    j = i + MOONCAKE_BATCH
+                    if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
+                        raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
+                times.append(time.perf_counter() - t)
+            conn.send(("times", times))
 
 
-_RECEIVERS = {
-    "kvbridge": _kvb_receiver,
-    "ucxx": _ucxx_receiver,
-    "nixl": _nixl_receiver,
-    "mooncake": _mooncake_receiver,
-}
-_SENDERS = {
-    "kvbridge": _kvb_sender,
-    "ucxx": _ucxx_sender,
-    "nixl": _nixl_sender,
-    "mooncake": _mooncake_sender,
+_SIDES = {
+    "kvbridge": (_kvb_sender, _kvb_receiver),
+    "ucxx": (_ucxx_sender, _ucxx_receiver),
+    "nixl": (_nixl_sender, _nixl_receiver),
+    "mooncake": (_mooncake_sender, _mooncake_receiver),
 }

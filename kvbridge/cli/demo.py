@@ -20,6 +20,13 @@ from ..demo.config import DemoConfig
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="reference: kvbridge's reference decoder; vllm: vLLM engines with SmolLM2 "
+        "(kvbridge.cli.vllm_demo, make demo-vllm)",
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="reduced run (CI): random model, few requests"
     )
     p.add_argument("--out", type=Path, default=Path("out/demo"), help="where the PNG and JSON go")
@@ -82,6 +89,10 @@ def _ucx_ok() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .vllm_demo import run as run_vllm
+
+        return run_vllm(args)
     from ..demo.driver import run_demo
     from ..transport.tcp import run as run_loop
 

@@ -52,8 +52,17 @@ class Config:
     error: str = ""
 
 
-def configs(tls_list: list[str], libs: list[str], busy_poll_us: int | list[int]) -> list[Config]:
+def configs(
+    tls_list: list[str],
+    libs: list[str],
+    busy_poll_us: int | list[int],
+    poll_yield_us: list[int] | None = None,
+) -> list[Config]:
+    """The rows: every ``busy_poll_us`` value (awaiting), then every further
+    ``poll_yield_us`` value (awaiting, the first busy_poll_us), then the
+    polling row, per UCX_TLS; the first value of each list is the default."""
     polls = [busy_poll_us] if isinstance(busy_poll_us, int) else list(busy_poll_us)
+    yields = list(poll_yield_us or [20])
     out = []
     if "uvloop" in libs:
         out.append(Config("uvloop ping-pong", "uvloop", {}, {}, "asyncio streams, TCP_NODELAY"))
@@ -62,15 +71,30 @@ def configs(tls_list: list[str], libs: list[str], busy_poll_us: int | list[int])
             Config("kvbridge TCP", "kvb-tcp", {}, {}, "1 stream, no compression, checksums on")
         )
     for tls in tls_list:
-        for bp in polls if "kvb-ucx" in libs else []:
+        ucx_rows = [(bp, yields[0]) for bp in polls] + [(polls[0], y) for y in yields[1:]]
+        for bp, py in ucx_rows if "kvb-ucx" in libs else []:
             suffix = "" if bp == polls[0] else f" bp={bp}"
+            suffix += "" if py == yields[0] else f" y={py}"
             out.append(
                 Config(
                     f"kvbridge UCX {tls}{suffix}",
                     "kvb-ucx",
                     UCX_ENV[tls],
-                    {"busy_poll_us": bp},
-                    f"progress=thread, busy_poll_us={bp}, error_mode=none",
+                    {"busy_poll_us": bp, "poll_yield_us": py},
+                    f"await; busy_poll_us={bp}, poll_yield_us={py}, progress=thread, "
+                    "error_mode=none",
+                    tls,
+                )
+            )
+        if "kvb-ucx-poll" in libs:
+            out.append(
+                Config(
+                    f"kvbridge UCX {tls} poll",
+                    "kvb-ucx",
+                    UCX_ENV[tls],
+                    {"busy_poll_us": polls[0], "poll_yield_us": yields[0], "mode": "poll"},
+                    f"polls done(); busy_poll_us={polls[0]}, poll_yield_us={yields[0]}, "
+                    "progress=thread, error_mode=none",
                     tls,
                 )
             )
@@ -217,8 +241,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", default="tcp,tcp+sm", help="UCX_TLS settings: tcp, tcp+sm (tcp,sm)")
     p.add_argument(
         "--libs",
-        default="uvloop,kvb-tcp,kvb-ucx,nixl",
-        help="comma list of uvloop, kvb-tcp, kvb-ucx, nixl",
+        default="uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,nixl",
+        help="comma list of uvloop, kvb-tcp, kvb-ucx (awaiting), kvb-ucx-poll (polling done()), nixl",
     )
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rounds", type=int, default=10)
@@ -227,6 +251,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--busy-poll-us",
         default="1000",
         help="kvbridge UCX busy_poll_us: a comma list gives one row each (the first is the default)",
+    )
+    p.add_argument(
+        "--poll-yield-us",
+        default="20",
+        help="kvbridge UCX poll_yield_us: a comma list gives one row each (the first is the default)",
     )
     p.add_argument("--busy", action="store_true", help="also measure with one core kept busy")
     p.add_argument(
@@ -248,7 +277,12 @@ def run(args: Any) -> int:
     print(f"# kvbridge-bench latency {' '.join(sys.argv[2:])}")
     for load in loads:
         for size in [int(s) for s in args.sizes.split(",")]:
-            cfgs = configs(tls, libs, [int(x) for x in str(args.busy_poll_us).split(",")])
+            cfgs = configs(
+                tls,
+                libs,
+                [int(x) for x in str(args.busy_poll_us).split(",")],
+                [int(x) for x in str(args.poll_yield_us).split(",")],
+            )
             with spinning_core(load != "idle"):
                 measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout)
             print(format_rows(cfgs, size, load), flush=True)
@@ -276,8 +310,10 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
 
     os.environ["UCX_TLS"] = tls
     from ..transport.ucx import UcxAgent
-    from ..transport.ucx.messages import Kind, Message, encode_message
+    from ..transport.ucx.loader import load
     from .latency_peers import page_layout
+
+    mod = load()
 
     lay = page_layout(size)
     out: list[tuple[str, float]] = []
@@ -301,23 +337,25 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
             await peer.send(f"w{i}", bt, bt, 0, 16)
         plan = peer.plan
         timed("page runs in C++ (RunPlan.runs)", lambda: plan.runs(bt, bt, 0, 16, 0, 1))
-        note = encode_message(Message(Kind.DONE, a.agent_id, "r", 0, 16, 0, 1, size))
         timed(
-            "DONE message encoding",
-            lambda: encode_message(Message(Kind.DONE, a.agent_id, "r", 0, 16, 0, 1, size)),
+            "DONE message encoding in C++ (for scale; put_range does it)",
+            lambda: mod.encode_done(a.agent_id, b"r", 0, 16, 0, 1, size),
         )
-        eng = a._engine  # the compiled engine: put, flush and DONE, progressed inline
+        eng = a._engine  # the compiled engine: runs, put, flush and DONE, progressed inline
         ts, inline = [], 0
         for _ in range(n):
             t0 = time.perf_counter()
             _, status, _, _ = eng.put_range(
-                peer.ep, plan, bt, bt, 0, 16, 0, 1, note, 0, a.busy_poll_us
+                peer.ep, plan, bt, bt, 0, 16, 0, 1, b"r", 0, a.busy_poll_us
             )
             ts.append(time.perf_counter() - t0)
             inline += status == 0
             await asyncio.sleep(0)  # let the receiving agent's loop poll, as in real use
         out.append(
-            (f"engine put + flush + DONE ({inline / n:.0%} inline)", statistics.median(ts) * 1e6)
+            (
+                f"engine runs + put + flush + DONE ({inline / n:.0%} inline)",
+                statistics.median(ts) * 1e6,
+            )
         )
         timed("handle creation", lambda: a.new_handle("r", "send", size, 30.0, armed=False))
         loop = asyncio.get_running_loop()

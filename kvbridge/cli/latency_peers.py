@@ -50,6 +50,21 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.ucx import UcxAgent
 
     lay = page_layout(size)
+    opts = dict(opts)
+    # "await": each side awaits its handles (one loop hop when they resolve);
+    # "poll": each side polls done() as NIXL's users poll its notifications
+    # (no loop turn: done() progresses the worker and accounts what landed)
+    polling = opts.pop("mode", "await") == "poll"
+
+    async def finished(h: Any) -> None:
+        if not polling:
+            await h
+            return
+        end = time.monotonic() + 30.0
+        while not h.done():
+            if time.monotonic() > end:
+                raise TransferTimeout(f"{h.request_id!r} not done in 30 s")
+        await h  # resolved: returns (or raises) without yielding
 
     async def main() -> None:
         cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
@@ -79,14 +94,14 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
                 if role == 0:
                     t0 = time.perf_counter()
                     hs = peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
-                    await hs
+                    await finished(hs)
                     t1 = time.perf_counter()
-                    await he
+                    await finished(he)
                     one_way.append((time.perf_counter() - t0) / 2)
                     sender.append(t1 - t0)
                 else:
-                    await he
-                    await peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
+                    await finished(he)
+                    await finished(peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0))
                 seq += 1
             conn.send(("samples", one_way, sender))
         await agent.close()

@@ -136,7 +136,10 @@ def decode_description(data: bytes | memoryview) -> PeerDescription | None:
 def describe_differences(theirs: PeerDescription, ours: PeerDescription) -> list[str]:
     """Every way in which two described peers cannot exchange KV, each as
     "what theirs != ours"; empty when they fit.  The model is compared only
-    when both name one; head ranges must overlap."""
+    when both name one.  The head ranges the two hold do not enter: ranks of
+    two tensor-parallel groups of one model fit whichever heads each holds (a
+    transfer names its heads, and a sender refuses a ticket for heads it
+    does not hold)."""
     out: list[str] = []
     if theirs.model and ours.model and theirs.model != ours.model:
         out.append(f"model {_short(theirs.model)!r} != {_short(ours.model)!r}")
@@ -149,11 +152,6 @@ def describe_differences(theirs: PeerDescription, ours: PeerDescription) -> list
         out.append(f"components {kinds[theirs.components]} != {kinds[ours.components]}")
     if theirs.num_kv_heads != ours.num_kv_heads:
         out.append(f"kv heads {theirs.num_kv_heads} != {ours.num_kv_heads}")
-    elif theirs.head_end <= ours.head_start or ours.head_end <= theirs.head_start:
-        out.append(
-            f"head range [{theirs.head_start}, {theirs.head_end}) does not overlap "
-            f"[{ours.head_start}, {ours.head_end})"
-        )
     if theirs.head_dim != ours.head_dim:
         out.append(f"head dim {theirs.head_dim} != {ours.head_dim}")
     return out

@@ -146,6 +146,7 @@ class _KVBase:
         start: int,
         end: int,
         layers: tuple[int, int] | None,
+        heads: tuple[int, int] | None = None,
     ) -> None:
         from ... import pack as _pack  # the C++ core, loaded with the first KV source
 
@@ -158,20 +159,29 @@ class _KVBase:
         self.block_table = block_table
         self.start, self.end = start, end
         self.layers = (l0, l1)
+        self.heads = layout.check_heads(heads)  # LayoutError outside the cache's heads
         # Checked once (block table converted once); each chunk checks only its slice.
         self.range = cache.range(
-            block_table, start, end, layers=(l0, l1), writable=isinstance(self, KVSink)
+            block_table,
+            start,
+            end,
+            layers=(l0, l1),
+            heads=self.heads,
+            writable=isinstance(self, KVSink),
         )
         self.nbytes = int(self.range.nbytes)
         self.itemsize = layout.itemsize
-        self.layout_hash = layout.compat_hash
+        # binds the head range: an OPEN of other heads is refused (protocol.md 7)
+        self.layout_hash = layout.transfer_hash(self.heads)
         self.token_range = (start, end)
         self.layer_range = (l0, l1)
 
 
 class KVSource(_KVBase):
-    """The wire bytes of tokens ``[start, end)`` and ``layers`` of one request,
-    packed from a :class:`kvbridge.pack.PagedKVCache` through its block table.
+    """The wire bytes of tokens ``[start, end)``, ``layers`` and ``heads`` (the
+    model's KV heads ``[h0, h1)`` inside the cache's; default all it holds) of
+    one request, packed from a :class:`kvbridge.pack.PagedKVCache` through its
+    block table.  ``layout_hash`` is ``layout.transfer_hash(heads)``.
     A CUDA cache packs into pinned host memory (the device-to-host copy is part
     of the pack kernel's output), and waits for it."""
 
@@ -202,7 +212,9 @@ class KVSource(_KVBase):
 
 
 class KVSink(_KVBase):
-    """Unpacks verified chunks straight into the destination pages.  A CUDA
+    """Unpacks verified chunks straight into the destination pages (of
+    ``heads``, as for :class:`KVSource`: the OPEN's layout hash must name the
+    same head range).  A CUDA
     cache unpacks from a pinned staging copy and waits for the kernel."""
 
     def write(self, offset: int, data: memoryview) -> None:

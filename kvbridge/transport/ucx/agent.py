@@ -39,24 +39,27 @@ from ...errors import (
     error_for_code,
     ucs_error,
 )
-from ...layout import KVLayout
+from ...layout import KVLayout, MemoryOrder
 from .expect import Expect, Expectations
 from .handle import TransferHandle
 from .hello import Hellos
 from .loader import DEFAULT_UCX_CONFIG, load, unavailable_reason
 from .messages import (
     MAX_HELLO_BLOB,
+    MAX_RID,
     Kind,
     Message,
     abort_code_v2,
     decode_message,
     encode_message,
+    heads_blob,
+    message_heads,
 )
 from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
 from .progress import LoopProgress, Progress, ThreadProgress
 from .regions import Registration, map_engine_error
-from .runs import CacheGeometry, page_pieces, plan_args
+from .runs import CacheGeometry, check_table, plan_args
 from .staging import Staging
 
 __all__ = ["UcxAgent"]
@@ -66,6 +69,39 @@ _TINY = 2  # put_range: the runs are too short, nothing was posted
 
 # An op in flight: the handle it completes, or a callback (status) -> None.
 _OpEntry = TransferHandle | Callable[[int], None]
+
+
+class _EngineLedger:
+    """The engine's expectation table as the expectations' ledger.  Only an
+    expectation of all the heads the cache holds (``own_heads``) can be
+    completed by a put, so only it enters the engine's table (one per
+    request id there); a head sub-range arrives staged and is counted here."""
+
+    def __init__(self, engine: Any, own_heads: tuple[int, int]) -> None:
+        self._engine = engine
+        self._own = own_heads
+        self._local: dict[int, np.ndarray] = {}  # token -> landed flag per layer
+
+    def register(self, ex: Expect) -> None:
+        if ex.heads != self._own:
+            self._local[ex.token] = np.zeros(ex.l1 - ex.l0, dtype=bool)
+            return
+        sender = ex.peer.agent_id if ex.peer is not None else b""
+        self._engine.expect(
+            ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender
+        )
+
+    def unregister(self, ex: Expect) -> None:
+        if self._local.pop(ex.token, None) is None:
+            self._engine.unexpect(ex.token)
+
+    def mark(self, ex: Expect, l0: int, l1: int) -> int:
+        flags = self._local.get(ex.token)
+        if flags is not None:
+            flags[l0 - ex.l0 : l1 - ex.l0] = True
+            return int(flags.sum())
+        sender = ex.peer.agent_id if ex.peer is not None else b""
+        return int(self._engine.mark(ex.token, l0, l1, sender))
 
 
 class UcxAgent:
@@ -87,6 +123,8 @@ class UcxAgent:
         peer_timeout: float = 10.0,
         progress: str = "thread",
         busy_poll_us: int = 1000,
+        put_window: int = 64,
+        poll_yield_us: int = 20,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
@@ -107,6 +145,12 @@ class UcxAgent:
             raise InvalidArgument(f"progress must be 'thread' or 'loop', not {progress!r}")
         if not 0 <= busy_poll_us <= 1_000_000:
             raise InvalidArgument("busy_poll_us must be in [0, 1e6]")
+        if not 0 <= put_window <= 1 << 20:
+            raise InvalidArgument("put_window must be in [0, 2**20] (0: no limit)")
+        self.put_window = int(put_window)
+        if not 0 <= poll_yield_us <= 1_000_000:
+            raise InvalidArgument("poll_yield_us must be in [0, 1e6]")
+        self.poll_yield_us = int(poll_yield_us)
         self.progress_mode = progress
         self.busy_poll_us = int(busy_poll_us)
         self.heartbeat = float(heartbeat)
@@ -128,6 +172,9 @@ class UcxAgent:
         self.geometry = CacheGeometry(layout, reg.num_pages)
         self.agent_id = os.urandom(16)
         self.epoch = time.time_ns()
+        self._engine.set_agent_id(self.agent_id)  # the sender of its DONE messages
+        self._engine.set_put_window(self.put_window)
+        self._engine.set_yield_us(self.poll_yield_us)
         self._md = AgentMetadata(
             self.agent_id, self.epoch, layout, reg.num_pages, self._engine.address(), reg.regions
         )
@@ -149,7 +196,14 @@ class UcxAgent:
             staging_threads,
             packer,
         )
-        self.expectations = Expectations(self._reject, self.staging.start_recv)
+        self.expectations = Expectations(
+            self._reject,
+            self.staging.start_recv,
+            _EngineLedger(self._engine, layout.head_range),
+            layout.head_range,
+        )
+        self._next_token = 1
+        self._in_events = False
         self._hellos = Hellos(self)
         self._peers: dict[bytes, UcxPeer] = {}
         self._by_ep: dict[int, UcxPeer] = {}
@@ -200,27 +254,45 @@ class UcxAgent:
         *,
         timeout: float | None = None,
         peer: UcxPeer | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Expect tokens ``[start, end)`` of ``layers`` of ``request_id`` into our
         pages ``block_table``.  The handle completes when every layer of the
-        range has landed (it may arrive in several layer-range sends)."""
+        range has landed (it may arrive in several layer-range sends).
+        ``heads``: the model's KV heads ``[h0, h1)`` this expectation takes
+        (default all the cache holds); one request may be expected once per
+        head range, each from its own sender."""
         self._loop_now()
         rid = str(request_id)
-        if rid in self.expectations:
-            raise InvalidArgument(f"request {rid!r} is already expected")
+        hr = self.layout.check_heads(heads)  # LayoutError outside the cache's heads
+        if (rid, hr) in self.expectations:
+            raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
         l0, l1 = self.layout.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
-        page_pieces(self.geometry, bt, start, end, (l0, l1))  # raises PageIndexError
-        total = self.layout.wire_nbytes(end - start, (l0, l1))
+        if self.layout.order is MemoryOrder.STRIDED:  # the cache maps its own block table
+            self.cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
+        else:
+            check_table(self.geometry, bt, start, end)  # raises PageIndexError
+        total = self.layout.wire_nbytes(end - start, (l0, l1), hr)
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
-        ex = Expect(h, bt, start, end, l0, l1, peer, np.zeros(l1 - l0, dtype=bool))
+        ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token, hr)
+        self._next_token += 1
         h.owner = ex
+        h.poller = self.poll_now
         self.expectations.add(ex)
-        if not h.done():
+        if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
         return h
+
+    def poll_now(self) -> None:
+        """Progress the worker once and account what arrived (``done()`` of
+        a handle in flight calls it: a polling caller needs no loop wake-up)."""
+        if self._closed or self._in_events or self._loop is None:
+            return
+        if self._engine.poll(0, 0, 0):
+            self._on_events()
 
     async def close(self) -> None:
         """Tell peers goodbye, fail what is in flight with Cancelled, release
@@ -284,6 +356,7 @@ class UcxAgent:
         peer = UcxPeer(self, md, ep, same_layout)
         self._peers[md.agent_id] = peer
         self._by_ep[ep] = peer
+        self._engine.add_peer(md.agent_id)  # its DONE messages may land in C++
         self._kick()
         return peer
 
@@ -292,6 +365,7 @@ class UcxAgent:
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
         self._by_ep.pop(peer.ep, None)
+        self._engine.remove_peer(peer.agent_id)
         if not self._closed:
             self._engine.disconnect(peer.ep)
 
@@ -345,21 +419,25 @@ class UcxAgent:
         end: int,
         l0: int,
         l1: int,
-        notify: bytes,
+        rid: str,
         min_mean_run: int,
-    ) -> tuple[int, int, int] | None:
+    ) -> tuple[int, int, int, int] | None:
         """Compute the coalesced runs of a range (in C++) and post them, their
-        flush and then ``notify``; progress inline for up to ``busy_poll_us``.
-        Returns (op, status, runs), or None when the mean run is shorter
-        than ``min_mean_run`` (nothing posted)."""
+        flush and then the DONE of ``rid`` (encoded in C++); progress inline
+        for up to ``busy_poll_us``.  Returns (op, status, runs, bytes), or
+        None when the mean run is shorter than ``min_mean_run`` (nothing
+        posted)."""
         if peer.plan is None:
             peer.plan = self._mod.RunPlan(
                 **plan_args(
                     self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids
                 )
             )
+        rid_bytes = rid.encode()
+        if len(rid_bytes) > MAX_RID:
+            raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
         try:
-            op, status, nruns, _ = self._engine.put_range(
+            op, status, nruns, nbytes = self._engine.put_range(
                 peer.ep,
                 peer.plan,
                 block_table,
@@ -368,7 +446,7 @@ class UcxAgent:
                 end,
                 l0,
                 l1,
-                notify,
+                rid_bytes,
                 min_mean_run,
                 self.busy_poll_us,
             )
@@ -380,7 +458,7 @@ class UcxAgent:
             raise map_engine_error(e, "UCX put") from None
         if status == _TINY:
             return None
-        return int(op), int(status), int(nruns)
+        return op, status, nruns, nbytes
 
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
         """``h`` completes with the put ``op`` (``status``: its outcome, or
@@ -390,6 +468,7 @@ class UcxAgent:
         elif status == _INPROGRESS:
             self._ops[op] = h
             h.arm()
+            h.poller = self.poll_now
             peer.track(h)
             self._kick()
         else:
@@ -446,8 +525,18 @@ class UcxAgent:
             peer.untrack(h)
         if peer is None:
             return
+        blob = (
+            heads_blob(owner.heads, self.layout.total_kv_heads)
+            if isinstance(owner, Expect)
+            else b""
+        )
         msg = Message(
-            Kind.ABORT, self.agent_id, h.request_id, code=code_for_error(exc), text=str(exc)
+            Kind.ABORT,
+            self.agent_id,
+            h.request_id,
+            code=code_for_error(exc),
+            text=str(exc),
+            blob=blob,
         )
         self.post_message(peer, msg)
 
@@ -461,7 +550,7 @@ class UcxAgent:
             self.staging.bind()
             if self.progress_mode == "thread":
                 self._progress = ThreadProgress(
-                    self._engine, loop, self._on_events, self.busy_poll_us
+                    self._engine, loop, self._on_events, self.busy_poll_us, self.poll_yield_us
                 )
             else:
                 self._progress = LoopProgress(self._engine, loop, self._on_events, self._busy)
@@ -493,13 +582,21 @@ class UcxAgent:
 
     def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError) -> None:
         peer.gone(exc)
+        self._engine.remove_peer(peer.agent_id)
         self.expectations.fail_peer(peer, peer.error or exc)
 
     # ---- events ------------------------------------------------------------------------------------
     def _on_events(self) -> None:
-        if self._closed:
+        if self._closed or self._in_events:
             return
-        results, failures, messages = self._engine.drain()
+        self._in_events = True
+        try:
+            self._events()
+        finally:
+            self._in_events = False
+
+    def _events(self) -> None:
+        results, failures, messages, landed = self._engine.drain()
         for ep, status in failures:
             peer = self._by_ep.get(ep)
             if peer is not None:
@@ -512,6 +609,15 @@ class UcxAgent:
                 self._put_done(entry, status)
             else:
                 entry(status)
+        # DONEs that landed in C++ before the messages of this batch: a part
+        # applied here (a message below) may complete what they began.
+        if landed:
+            now = time.monotonic()
+            for token, _l0, _l1, nbytes, sender, layers, complete in landed:
+                peer = self._peers.get(sender)
+                if peer is not None:
+                    peer.last_heard = now
+                self.expectations.on_landed(token, nbytes, peer, layers, complete)
         for raw in messages:
             try:
                 m = decode_message(raw)
@@ -546,13 +652,27 @@ class UcxAgent:
             self._peer_gone(peer, PeerGone(f"peer {peer.name[:8]} closed"))
             self.forget(peer)
         elif m.kind in (Kind.DONE, Kind.STAGE_REQ):
-            self.expectations.on_part(peer, m)
+            try:
+                if m.kind is Kind.DONE and not m.blob:
+                    # a put (its DONE is encoded by the engine, without a blob)
+                    # writes whole pages of the same layout: all our heads
+                    heads = self.layout.head_range
+                else:
+                    heads = message_heads(m, self.layout.total_kv_heads)
+            except KVBridgeError as e:
+                self._reject(peer, m.rid, e)
+                return
+            self.expectations.on_part(peer, m, heads)
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
             self.staging.on_message(m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
             peer.fail_sends(exc, m.rid)
-            self.expectations.on_abort(peer, m.rid, exc)
+            try:
+                named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
+            except KVBridgeError:
+                named = None  # a malformed head range: every part of the request from it
+            self.expectations.on_abort(peer, m.rid, named, exc)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))

@@ -1,13 +1,26 @@
 """The receiving side of an agent: expected requests, parts that arrived
 before their ``expect``, and recently failed requests whose late parts are
 dropped.  A request completes when every layer of its range has landed (it
-may arrive in several layer-range parts)."""
+may arrive in several layer-range parts).
+
+Which layers landed is kept by a :class:`Ledger` (the engine's expectation
+table, in C++): a DONE for an expected request lands there the moment it
+arrives and comes here as :meth:`Expectations.on_landed`; parts applied here
+(early parts, staged parts) are marked in it too, so that it always holds
+the whole count.
+
+An expectation is keyed by its request id and the range of the model's KV
+heads it wants: one request may be expected from several senders, one head
+range each (heterogeneous tensor parallelism), and a part goes to the
+expectation of the heads its message names.  Only the expectation of the
+heads the cache holds can be completed by a put (a put writes whole pages);
+it alone is in the engine's table."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -25,11 +38,13 @@ from .messages import Kind, Message
 if TYPE_CHECKING:
     from .peer import UcxPeer
 
-__all__ = ["Expect", "Expectations"]
+__all__ = ["Expect", "Expectations", "Ledger"]
 
 MAX_EARLY_REQUESTS = 65536
 MAX_EARLY_PARTS = 4096
 MAX_ABORTED = 4096
+
+Key = tuple[str, tuple[int, int]]  # (request id, heads)
 
 
 @dataclass
@@ -41,57 +56,87 @@ class Expect:
     l0: int
     l1: int
     peer: UcxPeer | None  # bound at expect(peer=...) or by the first part
-    landed: np.ndarray  # one flag per layer of [l0, l1)
+    token: int  # its entry in the ledger
+    heads: tuple[int, int]  # the model's KV heads [h0, h1) this part brings
 
     @property
     def request_id(self) -> str:
         return self.handle.request_id
 
+    @property
+    def key(self) -> Key:
+        return (self.handle.request_id, self.heads)
+
+
+class Ledger(Protocol):
+    """Where the landed layers of each expectation are counted."""
+
+    def register(self, ex: Expect) -> None: ...
+
+    def unregister(self, ex: Expect) -> None: ...
+
+    def mark(self, ex: Expect, l0: int, l1: int) -> int:
+        """Layers ``[l0, l1)`` of ``ex`` landed (and ``ex.peer`` is its
+        sender): returns the layers landed so far."""
+
 
 class Expectations:
     """``reject(peer, rid, error)`` tells a peer that its part was refused;
-    ``staged(ex, peer, req)`` starts the staged receive of a STAGE_REQ."""
+    ``staged(ex, peer, req)`` starts the staged receive of a STAGE_REQ;
+    ``own_heads`` are the heads the cache holds (a put lands them all)."""
 
     def __init__(
         self,
         reject: Callable[[UcxPeer, str, KVBridgeError], None],
         staged: Callable[[Expect, UcxPeer, Message], None],
+        ledger: Ledger,
+        own_heads: tuple[int, int] = (0, 0),
     ) -> None:
         self._reject = reject
         self._staged = staged
-        self._table: dict[str, Expect] = {}
-        self._early: dict[str, list[tuple[UcxPeer, Message]]] = {}
-        self._aborted: dict[str, None] = {}
+        self._ledger = ledger
+        self._own_heads = own_heads
+        self._table: dict[Key, Expect] = {}
+        self._tokens: dict[int, Expect] = {}
+        self._early: dict[Key, list[tuple[UcxPeer, Message]]] = {}
+        self._aborted: dict[Key, None] = {}
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._table
+    def __contains__(self, key: Key) -> bool:
+        return key in self._table
 
-    def get(self, rid: str) -> Expect | None:
-        return self._table.get(rid)
+    def get(self, key: Key) -> Expect | None:
+        return self._table.get(key)
 
     def values(self) -> list[Expect]:
         return list(self._table.values())
 
     def add(self, ex: Expect) -> None:
         """Start expecting; parts that came early are applied now."""
-        rid = ex.request_id
-        if rid in self._table:
-            raise InvalidArgument(f"request {rid!r} is already expected")
-        self._table[rid] = ex
+        key = ex.key
+        if key in self._table:
+            raise InvalidArgument(
+                f"request {ex.request_id!r} (heads [{ex.heads[0]}, {ex.heads[1]})) "
+                "is already expected"
+            )
+        self._ledger.register(ex)
+        self._table[key] = ex
+        self._tokens[ex.token] = ex
         if ex.l0 == ex.l1 or ex.start == ex.end:
             ex.handle.finish()
             self.drop(ex)
             return
-        self._aborted.pop(rid, None)
-        for peer, msg in self._early.pop(rid, []):
+        self._aborted.pop(key, None)
+        for peer, msg in self._early.pop(key, []):
             self.deliver(ex, peer, msg)
 
     def drop(self, ex: Expect) -> None:
-        rid = ex.request_id
-        if self._table.get(rid) is ex:
-            del self._table[rid]
+        key = ex.key
+        if self._table.get(key) is ex:
+            del self._table[key]
+            del self._tokens[ex.token]
+            self._ledger.unregister(ex)
         if ex.handle.exception() is not None:
-            self._aborted[rid] = None
+            self._aborted[key] = None
             if len(self._aborted) > MAX_ABORTED:
                 del self._aborted[next(iter(self._aborted))]
 
@@ -105,38 +150,57 @@ class Expectations:
     def fail_all(self, exc: KVBridgeError) -> None:
         for ex in list(self._table.values()):
             ex.handle.fail(exc)
+            self._ledger.unregister(ex)
         self._table.clear()
+        self._tokens.clear()
 
-    def on_part(self, peer: UcxPeer, m: Message) -> None:
-        """A DONE or STAGE_REQ arrived from ``peer``."""
-        ex = self._table.get(m.rid)
+    def on_part(self, peer: UcxPeer, m: Message, heads: tuple[int, int]) -> None:
+        """A DONE or STAGE_REQ of heads ``heads`` arrived from ``peer``."""
+        key = (m.rid, heads)
+        ex = self._table.get(key)
         if ex is not None:
             self.deliver(ex, peer, m)
             return
-        if m.rid in self._aborted:
+        others = [k[1] for k in self._table if k[0] == m.rid]
+        if others:  # the request is expected, but for other heads
+            self._reject(
+                peer,
+                m.rid,
+                IncompatiblePeer(
+                    f"request {m.rid!r} is expected for heads {sorted(others)}, not {heads}"
+                ),
+            )
+            return
+        if key in self._aborted:
             if m.kind is Kind.STAGE_REQ:
                 self._reject(peer, m.rid, Cancelled(f"request {m.rid!r} was aborted here"))
             return
-        early = self._early.setdefault(m.rid, [])
+        early = self._early.setdefault(key, [])
         if len(self._early) > MAX_EARLY_REQUESTS or len(early) > MAX_EARLY_PARTS:
-            self._early.pop(m.rid, None)
+            self._early.pop(key, None)
             self._reject(peer, m.rid, ResourceLimit("too many unexpected requests"))
         else:
             early.append((peer, m))
 
-    def on_abort(self, peer: UcxPeer, rid: str, exc: KVBridgeError) -> None:
-        ex = self._table.get(rid)
-        if ex is not None and ex.peer in (None, peer):
-            ex.handle.fail(exc)
-            self.drop(ex)
-        self._early.pop(rid, None)
+    def on_abort(
+        self, peer: UcxPeer, rid: str, heads: tuple[int, int] | None, exc: KVBridgeError
+    ) -> None:
+        """The peer aborted its part of ``rid`` (of ``heads``; None: every
+        part of ``rid`` from that peer, or not yet bound to one)."""
+        for key, ex in list(self._table.items()):
+            if key[0] == rid and (heads is None or key[1] == heads) and ex.peer in (None, peer):
+                ex.handle.fail(exc)
+                self.drop(ex)
+        for key in [k for k in self._early if k[0] == rid and heads in (None, k[1])]:
+            self._early.pop(key, None)
 
     def deliver(self, ex: Expect, peer: UcxPeer, m: Message) -> None:
         h = ex.handle
-        if h.done():
+        if h.settled:
             return
         if ex.peer is None:
             ex.peer = peer
+            self._ledger.mark(ex, ex.l0, ex.l0)  # binds it there too
         elif ex.peer is not peer:
             self._reject(
                 peer, m.rid, IncompatiblePeer(f"request {m.rid!r} is expected from another peer")
@@ -153,6 +217,16 @@ class Expectations:
                 peer, m.rid, IncompatiblePeer(str(err))
             )  # INCOMPATIBLE_LAYOUT at the sender
             return
+        if m.kind is Kind.DONE and ex.heads != self._own_heads:
+            # a put writes whole pages: it brings every head the cache holds
+            err = RemoteProtocolError(
+                f"{m.rid!r}: a put of all our heads {self._own_heads} landed for the part of "
+                f"heads {ex.heads}"
+            )
+            h.fail(err)
+            self.drop(ex)
+            self._reject(peer, m.rid, IncompatiblePeer(str(err)))
+            return
         if m.kind is Kind.DONE:
             h.stats.path = h.stats.path or "put"
             h.stats.bytes += m.nbytes
@@ -162,9 +236,28 @@ class Expectations:
             self._staged(ex, peer, m)
 
     def landed(self, ex: Expect, l0: int, l1: int) -> None:
-        """Layers ``[l0, l1)`` of ``ex`` are in the cache."""
-        ex.landed[l0 - ex.l0 : l1 - ex.l0] = True
-        ex.handle.stats.layers_done = int(ex.landed.sum())
-        if ex.landed.all():
+        """Layers ``[l0, l1)`` of ``ex`` are in the cache (applied here)."""
+        self._account(ex, self._ledger.mark(ex, l0, l1))
+
+    def on_landed(
+        self, token: int, nbytes: int, peer: UcxPeer | None, layers: int, complete: bool
+    ) -> None:
+        """A DONE landed in the ledger (already checked there: an expected
+        request, its tokens, layers inside its range, its peer); ``layers``
+        had landed then."""
+        ex = self._tokens.get(token)
+        if ex is None or ex.handle.settled:
+            return
+        if ex.peer is None:
+            ex.peer = peer
+        stats = ex.handle.stats
+        stats.path = stats.path or "put"
+        stats.bytes += nbytes
+        self._account(ex, ex.l1 - ex.l0 if complete else layers)
+
+    def _account(self, ex: Expect, layers: int) -> None:
+        stats = ex.handle.stats
+        stats.layers_done = max(stats.layers_done, layers)
+        if stats.layers_done >= ex.l1 - ex.l0:
             ex.handle.finish()
             self.drop(ex)

@@ -1,6 +1,11 @@
 """A transfer in flight over UCX: a :class:`TransferHandleBase` (awaitable,
 ``progress``, ``done``, ``cancel``, ``wait``) whose result is its typed
-:class:`TransferStats`."""
+:class:`TransferStats`.
+
+``done()`` of a handle still in flight progresses the worker once and
+accounts what arrived, so a caller that polls learns "landed" without an
+event-loop wake-up; ``await handle`` wakes the awaiting task with one loop
+hop (a waiter future resolved by the handle, not a shield's two)."""
 
 from __future__ import annotations
 
@@ -75,6 +80,9 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         # the owner's state: the staging task of a send, the expectation of a receive
         self.task: asyncio.Task[None] | None = None
         self.owner: Any = None
+        # progresses the worker once and accounts what arrived (set by the agent)
+        self.poller: Callable[[], None] | None = None
+        self._waiters: list[asyncio.Future[None]] = []
 
     # -- TransferHandleBase ---------------------------------------------------
     def _moved_bytes(self) -> int:
@@ -89,11 +97,38 @@ class TransferHandle(TransferHandleBase[TransferStats]):
             self._timer = self._fut.get_loop().call_later(self._timeout, self._expire)
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
-        if self._fut.done():  # a small put that completed inline: no shield, no yield
-            return self._fut.__await__()
-        return super().__await__()
+        if not self._fut.done():
+            # The task waits on a future of its own, resolved by _resolve: one
+            # loop hop, and cancelling the task leaves the transfer alone.
+            waiter: asyncio.Future[None] = self._fut.get_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                yield from waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        return (yield from self._fut)  # done: returns or raises without yielding
+
+    def _resolve(self, exc: BaseException | None) -> None:
+        super()._resolve(exc)
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
 
     # -- state ------------------------------------------------------------------
+    @property
+    def settled(self) -> bool:
+        """Resolved, without polling (what kvbridge's own code checks)."""
+        return self._fut.done()
+
+    def done(self) -> bool:
+        """Resolved; a handle still in flight first progresses the worker
+        once and accounts what arrived (no event-loop round trip)."""
+        if not self._fut.done() and self.poller is not None:
+            self.poller()
+        return self._fut.done()
+
     def exception(self) -> BaseException | None:
         return self._fut.exception() if self._fut.done() else None
 

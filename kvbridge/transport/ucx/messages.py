@@ -29,6 +29,8 @@ __all__ = [
     "abort_code_v2",
     "decode_message",
     "encode_message",
+    "heads_blob",
+    "message_heads",
 ]
 
 MAGIC = 0x4B55
@@ -45,11 +47,11 @@ class Kind(enum.IntEnum):
     HELLO = 1  # blob: sender metadata; target, epoch: whom the sender thinks it reaches
     HELLO_ACK = 2
     HELLO_NACK = 3  # code, text
-    DONE = 4  # a put part landed: rid, start, end, l0, l1, nbytes
-    STAGE_REQ = 5  # rid, part, start, end, l0, l1, nbytes
+    DONE = 4  # a put part landed: rid, start, end, l0, l1, nbytes; blob: heads
+    STAGE_REQ = 5  # rid, part, start, end, l0, l1, nbytes; blob: heads
     STAGE_READY = 6  # rid, part, slot (offset), length (slot bytes)
     STAGE_CHUNK = 7  # rid, part, offset (wire), length, slot, last
-    ABORT = 8  # rid, code, text
+    ABORT = 8  # rid, code, text; blob: heads (the receiver's part that failed)
     BYE = 9
     PING = 10  # liveness: sent every heartbeat interval
 
@@ -83,6 +85,31 @@ def abort_code_v2(m: Message) -> int:
     if m.version == 1:
         return _V1_ABORT.get(m.code, 0)
     return m.code
+
+
+_HEADS = struct.Struct("<II")
+
+
+def heads_blob(heads: tuple[int, int] | None, total: int) -> bytes:
+    """The blob of a DONE, STAGE_REQ or ABORT naming the model's KV heads
+    ``[h0, h1)`` of its part: 8 bytes (u32 h0, u32 h1), or none for all the
+    model's ``total`` heads (the bytes of a build without head ranges)."""
+    if heads is None or tuple(heads) == (0, total):
+        return b""
+    return _HEADS.pack(int(heads[0]), int(heads[1]))
+
+
+def message_heads(m: Message, total: int) -> tuple[int, int]:
+    """The head range a DONE, STAGE_REQ or ABORT names (all ``total`` heads
+    when its blob is empty); a malformed blob is a RemoteProtocolError."""
+    if not m.blob:
+        return (0, total)
+    if len(m.blob) != _HEADS.size:
+        raise RemoteProtocolError(f"{m.kind.name} names heads in {len(m.blob)} bytes (8)")
+    h0, h1 = _HEADS.unpack(m.blob)
+    if not h0 < h1 <= total:
+        raise RemoteProtocolError(f"{m.kind.name} names heads [{h0}, {h1}) of {total}")
+    return (int(h0), int(h1))
 
 
 def encode_message(m: Message) -> bytes:

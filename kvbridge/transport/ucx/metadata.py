@@ -12,7 +12,10 @@ Layout (little-endian, docs/ucx.md)::
 The body holds the agent id and epoch, the KV layout (every field that decides
 memory), the number of pages, the UCP worker address and the regions
 (kind, layer, base address, length, packed remote key).  Every length is
-bounded before anything is allocated.
+bounded before anything is allocated.  Version 2 (written only for a cache
+holding part of the model's KV heads, a tensor-parallel rank) adds, right
+after the fixed layout fields, ``head_start u32, model_kv_heads u32``;
+version 1 means all the model's heads.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ __all__ = [
 ]
 
 METADATA_MAGIC = b"KVBUCXMD"
-METADATA_VERSION = 1
+METADATA_VERSION = 2  # the newest this build writes (1 for a cache of all heads)
+METADATA_VERSIONS = (1, 2)
 MAX_METADATA = 1 << 20
 MAX_REGIONS = 8192
 MAX_FIELD = 1 << 16
@@ -47,6 +51,7 @@ _HEAD = struct.Struct("<8sHHI")
 _FIXED = struct.Struct("<16sQQQIIIBBBBBBQI")
 _REGION = struct.Struct("<BIQQI")
 _CHECK = struct.Struct("<Q")
+_HEAD_RANGE = struct.Struct("<II")
 
 
 class RegionKind(enum.IntEnum):
@@ -83,7 +88,7 @@ class AgentMetadata:
         return None
 
 
-_ORDERS = {MemoryOrder.KV_FIRST: 0, MemoryOrder.PAGE_FIRST: 1}
+_ORDERS = {MemoryOrder.KV_FIRST: 0, MemoryOrder.PAGE_FIRST: 1, MemoryOrder.STRIDED: 2}
 _HEADS = {HeadOrder.NHD: 0, HeadOrder.HND: 1}
 
 
@@ -110,11 +115,14 @@ def encode_metadata(md: AgentMetadata) -> bytes:
             lay.page_tokens,
         )
     )
+    version = 1 if lay.holds_all_heads else 2
+    if version == 2:
+        body += _HEAD_RANGE.pack(lay.head_start, lay.total_kv_heads)
     body += struct.pack("<I", len(md.address)) + md.address
     body += struct.pack("<I", len(md.regions))
     for r in md.regions:
         body += _REGION.pack(int(r.kind), r.layer, r.base, r.length, len(r.rkey)) + r.rkey
-    head = _HEAD.pack(METADATA_MAGIC, METADATA_VERSION, 0, len(body))
+    head = _HEAD.pack(METADATA_MAGIC, version, 0, len(body))
     blob = head + bytes(body)
     return blob + _CHECK.pack(_digest(blob))
 
@@ -128,10 +136,8 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
     magic, version, _flags, body_len = _HEAD.unpack_from(data)
     if magic != METADATA_MAGIC:
         raise RemoteProtocolError("not kvbridge UCX metadata (bad magic)")
-    if version != METADATA_VERSION:
-        raise VersionMismatch(
-            f"UCX metadata version {version}, this build reads {METADATA_VERSION}"
-        )
+    if version not in METADATA_VERSIONS:
+        raise VersionMismatch(f"UCX metadata version {version}, this build reads 1 and 2")
     if _HEAD.size + body_len + _CHECK.size != len(data):
         raise RemoteProtocolError("UCX metadata length does not match its header")
     (check,) = _CHECK.unpack_from(data, len(data) - _CHECK.size)
@@ -157,6 +163,7 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
     ) = r.unpack(_FIXED)
     if stacked > 1 or mla > 1:
         raise RemoteProtocolError(f"UCX metadata has stacked={stacked}, mla={mla} (0 or 1)")
+    head_start, model_heads = r.unpack(_HEAD_RANGE) if version == 2 else (0, None)
     try:
         layout = KVLayout(
             num_layers=layers,
@@ -164,14 +171,19 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
             head_dim=head_dim,
             dtype=DType.from_code(dtype_code),
             page_tokens=page_tokens,
-            order=[MemoryOrder.KV_FIRST, MemoryOrder.PAGE_FIRST][order],
+            order=[MemoryOrder.KV_FIRST, MemoryOrder.PAGE_FIRST, MemoryOrder.STRIDED][order],
             head_order=[HeadOrder.NHD, HeadOrder.HND][head_order],
             stacked=bool(stacked),
             mla=bool(mla),
+            head_start=head_start,
+            model_kv_heads=model_heads,
+            # an engine's own arrangement: the blob names it by its exact_hash only
+            memory=f"peer:{exact:016x}" if order == 2 else "",
         )
     except (IndexError, ValueError) as e:
         raise RemoteProtocolError(f"UCX metadata describes an invalid layout: {e}") from None
-    if layout.exact_hash != exact or layout.compat_hash != compat:
+    strided = layout.order is MemoryOrder.STRIDED
+    if (not strided and layout.exact_hash != exact) or layout.compat_hash != compat:
         raise IncompatiblePeer("UCX metadata layout hashes do not match its layout fields")
     address = r.take(r.u32(MAX_FIELD))
     count = r.u32(MAX_REGIONS)
@@ -200,6 +212,8 @@ def check_layouts(local: KVLayout, remote: KVLayout) -> bool:
         raise IncompatiblePeer(
             f"peer KV layout does not fit ours: {remote.wire_key()} vs {local.wire_key()}"
         )
+    if MemoryOrder.STRIDED in (local.order, remote.order):
+        return False  # an engine's own strides: the put path's page runs assume dense pages
     return local.exact_hash == remote.exact_hash
 
 

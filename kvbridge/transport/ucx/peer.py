@@ -13,7 +13,7 @@ import numpy as np
 from ...errors import Cancelled, KVBridgeError, LayoutError, code_for_error
 from ...layout import KVLayout
 from .handle import TransferHandle
-from .messages import Kind, Message, encode_message
+from .messages import Kind, Message
 from .metadata import AgentMetadata, RegionKind
 from .runs import CacheGeometry
 
@@ -52,9 +52,9 @@ class PeerHost(Protocol):
         end: int,
         l0: int,
         l1: int,
-        notify: bytes,
+        rid: str,
         min_mean_run: int,
-    ) -> tuple[int, int, int] | None: ...
+    ) -> tuple[int, int, int, int] | None: ...
 
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
 
@@ -68,6 +68,7 @@ class PeerHost(Protocol):
         *,
         timeout: float | None = None,
         peer: UcxPeer | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle: ...
 
     async def close_peer(self, peer: UcxPeer) -> None: ...
@@ -126,30 +127,34 @@ class UcxPeer:
         *,
         timeout: float | None = None,
         path: str | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Send tokens ``[start, end)`` of layers ``layers`` (all when None) from
         our pages ``block_table`` into the peer's pages ``remote_block_table``.
-        ``path`` forces "put" or "staging"; by default the put path is taken
-        when both layouts are the same and the runs are not tiny."""
+        ``heads``: the model's KV heads ``[h0, h1)`` to send (default all our
+        cache holds; the receiver expects exactly these).  ``path`` forces
+        "put" or "staging"; by default the put path is taken when both
+        layouts are the same, all our heads go, and the runs are not tiny;
+        a head sub-range always goes through the staging path."""
         self._check()
         host = self._host
         lay = host.layout
         rid = str(request_id)
         l0, l1 = lay.layer_range(layers)
+        hr = lay.check_heads(heads)  # LayoutError outside our heads
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
-        if self.same_layout and path != "staging":
+        whole = hr == lay.head_range
+        if path == "put" and not whole:
+            raise LayoutError("the put path sends whole pages: a head sub-range goes staged")
+        if self.same_layout and path != "staging" and whole:
             staging = host.staging
             can_stage = (
                 path != "put"
                 and staging.usable
                 and self.staging_index is not None
                 and staging.pack_module() is not None
-            )
-            nbytes = (l1 - l0) * (end - start) * host.token_bytes
-            notify = encode_message(
-                Message(Kind.DONE, host.agent_id, rid, start, end, l0, l1, nbytes)
             )
             posted = host.put_range(
                 self,
@@ -159,11 +164,11 @@ class UcxPeer:
                 end,
                 l0,
                 l1,
-                notify,
+                rid,
                 host.min_put_run_bytes if can_stage else 0,
             )
             if posted is not None:  # else the runs are tiny: staged instead
-                op, status, nruns = posted
+                op, status, nruns, nbytes = posted
                 h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
                 h.owner = self
                 h.stats.path = "put"
@@ -175,11 +180,11 @@ class UcxPeer:
             raise LayoutError("the put path needs both caches to have the same memory layout")
         staging = host.staging
         staging.require(self)
-        h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1)), deadline)
+        h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1), hr), deadline)
         h.owner = self
         h.stats.path = "staging"
         self.track(h)
-        staging.start_send(self, h, block_table, start, end, l0, l1)
+        staging.start_send(self, h, block_table, start, end, l0, l1, hr)
         return h
 
     def expect(

@@ -32,7 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["LoopProgress", "Progress", "ThreadProgress"]
+__all__ = ["POLL_SLICE_US", "LoopProgress", "Progress", "ThreadProgress"]
+
+# The longest the loop's busy-poll holds the loop in one C++ call.
+POLL_SLICE_US = 50
 
 
 class Progress(Protocol):
@@ -55,10 +58,12 @@ class ThreadProgress:
         loop: asyncio.AbstractEventLoop,
         on_events: Callable[[], None],
         busy_poll_us: int,
+        yield_us: int = 0,
     ) -> None:
         self._engine = engine
         self._loop = loop
         self._on_events = on_events
+        self._yield_us = int(yield_us)
         self._window = busy_poll_us / 1e6
         self._until = 0.0
         self._polling = False
@@ -79,14 +84,15 @@ class ThreadProgress:
     def _poll(self) -> None:
         if self._closed:
             return
-        if self._engine.progress():
+        # Poll in C++ for a slice (without the GIL), back as soon as there
+        # is something to account: the loop's other work waits at most one
+        # slice, and an answer is seen within microseconds of its arrival.
+        # The C++ poll gives the core away after `yield_us` without an event.
+        left = self._until - time.monotonic()
+        slice_us = max(1, min(POLL_SLICE_US, int(left * 1e6)))
+        if self._engine.poll(slice_us, 0, self._yield_us):
             self._until = time.monotonic() + self._window
-        else:
-            # Give the core away between polls: the peer that has to answer
-            # may be waiting for this very core (2 cores, other jobs), and a
-            # poller that never yields makes it wait for the scheduler tick.
-            os.sched_yield()
-        self._on_events()
+            self._on_events()
         if not self._closed and time.monotonic() < self._until:
             self._loop.call_soon(self._poll)
             return

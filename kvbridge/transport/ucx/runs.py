@@ -19,7 +19,7 @@ import numpy.typing as npt
 from ...errors import LayoutError, PageIndexError
 from ...layout import HeadOrder, KVLayout, MemoryOrder
 
-__all__ = ["CacheGeometry", "coalesce", "page_pieces", "plan_args", "put_runs"]
+__all__ = ["CacheGeometry", "check_table", "coalesce", "page_pieces", "plan_args", "put_runs"]
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -42,6 +42,28 @@ class CacheGeometry:
         return 1 if self.layout.stacked else self.layout.num_layers
 
 
+def check_table(geom: CacheGeometry, block_table: I64, start: int, end: int) -> None:
+    """Raise PageIndexError unless ``block_table`` covers tokens ``[start,
+    end)`` with pages of the cache (what :func:`page_pieces` checks, without
+    computing the pieces: a receive's check costs microseconds)."""
+    if start >= end:
+        return
+    pt = geom.layout.page_tokens
+    first, last = start // pt, (end - 1) // pt
+    if block_table.size <= last:
+        raise PageIndexError(
+            f"block table of {block_table.size} pages does not cover tokens [{start}, {end})"
+        )
+    if last == first:
+        page = int(block_table[first])
+        bad = not 0 <= page < geom.num_pages
+    else:
+        phys = block_table[first : last + 1]
+        bad = bool(phys.min() < 0 or phys.max() >= geom.num_pages)
+    if bad:
+        raise PageIndexError(f"block table names a page outside [0, {geom.num_pages})")
+
+
 def page_pieces(
     geom: CacheGeometry,
     block_table: npt.ArrayLike,
@@ -60,13 +82,8 @@ def page_pieces(
     pt = lay.page_tokens
     first, last = start // pt, (end - 1) // pt
     bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
-    if bt.size <= last:
-        raise PageIndexError(
-            f"block table of {bt.size} pages does not cover tokens [{start}, {end})"
-        )
+    check_table(geom, bt, start, end)
     phys = bt[first : last + 1]
-    if phys.size and (phys.min() < 0 or phys.max() >= geom.num_pages):
-        raise PageIndexError(f"block table names a page outside [0, {geom.num_pages})")
     logical = np.arange(first, last + 1, dtype=np.int64)
     t0 = np.maximum(start - logical * pt, 0)
     t1 = np.minimum(end - logical * pt, pt)

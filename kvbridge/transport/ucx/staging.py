@@ -21,7 +21,7 @@ from ...errors import KVBridgeError, RemoteProtocolError, Unavailable
 from ...layout import KVLayout
 from .expect import Expect
 from .handle import TransferHandle
-from .messages import Kind, Message, encode_message
+from .messages import Kind, Message, encode_message, heads_blob
 
 if TYPE_CHECKING:
     from .peer import UcxPeer
@@ -163,12 +163,35 @@ class Staging:
 
     # ---- sending ----------------------------------------------------------------------
     def start_send(
-        self, peer: UcxPeer, h: TransferHandle, bt: Any, start: int, end: int, l0: int, l1: int
+        self,
+        peer: UcxPeer,
+        h: TransferHandle,
+        bt: Any,
+        start: int,
+        end: int,
+        l0: int,
+        l1: int,
+        heads: tuple[int, int] | None = None,
     ) -> None:
-        self._spawn(self._send(peer, h, bt, start, end, l0, l1), h)
+        self._spawn(self._send(peer, h, bt, start, end, l0, l1, heads), h)
+
+    def _head_kw(self, heads: tuple[int, int] | None) -> dict[str, Any]:
+        """``heads=`` for the pack calls when it is a sub-range of the cache's
+        (a stand-in packer without head ranges sees the calls it knows)."""
+        if heads is None or tuple(heads) == self._layout.head_range:
+            return {}
+        return {"heads": tuple(heads)}
 
     async def _send(
-        self, peer: UcxPeer, h: TransferHandle, bt: Any, start: int, end: int, l0: int, l1: int
+        self,
+        peer: UcxPeer,
+        h: TransferHandle,
+        bt: Any,
+        start: int,
+        end: int,
+        l0: int,
+        l1: int,
+        heads: tuple[int, int] | None,
     ) -> None:
         host = self._host
         pack = self.pack_module().pack
@@ -181,17 +204,28 @@ class Staging:
         slot = await self._slots.get()
         try:
             total = h.total_bytes
+            named = heads_blob(heads, self._layout.total_kv_heads)
             req = Message(
-                Kind.STAGE_REQ, host.agent_id, h.request_id, start, end, l0, l1, total, part
+                Kind.STAGE_REQ,
+                host.agent_id,
+                h.request_id,
+                start,
+                end,
+                l0,
+                l1,
+                total,
+                part,
+                blob=named,
             )
             host.post_message(peer, req)
             cache = self._paged_cache()
+            kw = self._head_kw(heads)
             if self._ranges:  # kvbridge.pack checks the range once
-                pack_at = cache.range(bt, start, end, layers=(l0, l1), writable=False).pack
+                pack_at = cache.range(bt, start, end, layers=(l0, l1), writable=False, **kw).pack
             else:  # a stand-in packer packs per call
-                pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1))
+                pack_at = functools.partial(pack, cache, bt, start, end, layers=(l0, l1), **kw)
             done = 0
-            while not h.done():
+            while not h.settled:
                 ready = await q.get()
                 if ready.kind is not Kind.STAGE_READY:
                     raise RemoteProtocolError("expected STAGE_READY")
@@ -250,17 +284,20 @@ class Staging:
         self._chunks[key] = q
         slot = await self._slots.get()
         try:
-            expected = self._layout.wire_nbytes(req.end - req.start, (req.l0, req.l1))
+            layers = (req.l0, req.l1)
+            expected = self._layout.wire_nbytes(req.end - req.start, layers, ex.heads)
             if req.nbytes != expected:
                 raise RemoteProtocolError(f"staged part of {req.nbytes} bytes, expected {expected}")
             cache = self._paged_cache()
-            bt, layers = ex.block_table, (req.l0, req.l1)
+            bt, kw = ex.block_table, self._head_kw(ex.heads)
             if self._ranges:  # kvbridge.pack checks the range once
-                unpack_at = cache.range(bt, req.start, req.end, layers=layers).unpack
+                unpack_at = cache.range(bt, req.start, req.end, layers=layers, **kw).unpack
             else:  # a stand-in packer unpacks per call
-                unpack_at = functools.partial(unpack, cache, bt, req.start, req.end, layers=layers)
+                unpack_at = functools.partial(
+                    unpack, cache, bt, req.start, req.end, layers=layers, **kw
+                )
             got = 0
-            while not h.done():
+            while not h.settled:
                 ready = Message(
                     Kind.STAGE_READY,
                     host.agent_id,

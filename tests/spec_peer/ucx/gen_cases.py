@@ -179,10 +179,10 @@ R_HASH = "with `IncompatiblePeer` hashes that do not match the layout fields"
 
 bad_md("bad magic (KVBUCXME), checksum resealed", reseal(b"KVBUCXME" + good[8:]), R_MAGIC, RPE)
 bad_md("magic all zero", reseal(b"\0" * 8 + good[8:]), R_MAGIC, RPE)
-bad_md("version 2, checksum resealed", reseal(edit(good, 8, "<H", 2)),
-       "version (1; another is `VersionMismatch`)", VM)
+bad_md("version 3, checksum resealed", reseal(edit(good, 8, "<H", 3)),
+       "version (1 or 2; another is `VersionMismatch`)", VM)
 bad_md("version 0, checksum resealed", reseal(edit(good, 8, "<H", 0)),
-       "version (1; another is `VersionMismatch`)", VM)
+       "version (1 or 2; another is `VersionMismatch`)", VM)
 bad_md("truncated by one byte", good[:-1], R_LEN, RPE)
 bad_md("one byte appended after the checksum", good + b"\0", R_LEN, RPE)
 bad_md("body length B one too large", edit(good, 12, "<I", len(good) - 24 + 1), R_LEN, RPE)

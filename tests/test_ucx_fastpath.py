@@ -1,0 +1,243 @@
+"""The UCX small-transfer fast path and the put window: DONE encoded and
+parsed in C++ (the twin of the Python codec), a receive that lands in the
+engine's expectation table and is seen by a polling ``done()`` without an
+event-loop turn, awaiting with one loop hop, and put batches posted through a
+bounded window of puts in flight per endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from ucx_cases import SMALL, make_cache, same_tokens
+
+from kvbridge.errors import IncompatiblePeer, InvalidArgument, RemoteProtocolError
+from kvbridge.layout import DType, KVLayout
+from kvbridge.transport import ucx
+from kvbridge.transport.ucx.loader import load
+from kvbridge.transport.ucx.messages import Kind, Message, decode_message, encode_message
+
+pytestmark = [
+    pytest.mark.ucx,
+    pytest.mark.skipif(not ucx.available(), reason=f"UCX unavailable: {ucx.unavailable_reason()}"),
+]
+
+
+def run(fn: Callable[[], Awaitable[None]], timeout: float = 30.0) -> None:
+    async def main() -> None:
+        await asyncio.wait_for(fn(), timeout)
+
+    asyncio.run(main())
+
+
+# ---- the DONE codec in C++ -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("rid", "fields"),
+    [("r1", (0, 32, 0, 2, 4096)), ("", (0, 0, 0, 0, 0)), ("é" * 512, (5, 2**40, 3, 7, 2**63))],
+)
+def test_done_encoded_in_cpp_is_the_python_encoding(rid: str, fields: tuple[int, ...]) -> None:
+    mod = load()
+    sender = bytes(range(16))
+    start, end, l0, l1, nbytes = fields
+    ours = mod.encode_done(sender, rid.encode(), start, end, l0, l1, nbytes)
+    assert ours == encode_message(Message(Kind.DONE, sender, rid, start, end, l0, l1, nbytes))
+    assert mod.parse_done(ours) == (sender, rid.encode(), start, end, l0, l1, nbytes)
+
+
+def test_cpp_parses_only_well_formed_done() -> None:
+    mod = load()
+    sender = b"A" * 16
+    good = encode_message(Message(Kind.DONE, sender, "r", 1, 2, 0, 1, 8, text="t", blob=b"b"))
+    assert mod.parse_done(good) == (sender, b"r", 1, 2, 0, 1, 8)
+    v1 = good[:2] + b"\x01" + good[3:]  # version 1 DONE: the same fields
+    assert mod.parse_done(v1) is not None and decode_message(v1).kind is Kind.DONE
+    others = [
+        good[:-1],  # lengths do not add up
+        good + b"x",
+        b"\x00" + good[1:],  # magic
+        good[:2] + b"\x03" + good[3:],  # version 3
+        good[:3] + b"\x08" + good[4:],  # another kind (ABORT)
+        good[:100] + (1025).to_bytes(2, "little") + good[102:],  # request id too long
+        good[:50],
+        encode_message(Message(Kind.PING, sender)),
+    ]
+    for bad in others:
+        assert mod.parse_done(bad) is None, bad.hex()
+
+
+def test_request_id_longer_than_the_codec_allows_is_refused_before_posting() -> None:
+    async def body() -> None:
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        with pytest.raises(InvalidArgument, match="1024"):
+            peer.send("x" * 1025, np.arange(2), np.arange(2), 0, 16)
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+# ---- a receive seen by polling, without the event loop -------------------------------------
+@pytest.mark.parametrize("progress", ["thread", "loop"])
+def test_polling_done_sees_a_landed_receive_without_a_loop_turn(progress: str) -> None:
+    """The DONE lands in the engine's table; ``done()`` progresses the worker
+    and accounts it, so a caller that never yields to the loop sees it."""
+
+    async def body() -> None:
+        src, dst = make_cache(SMALL, 16, 3), make_cache(SMALL, 16, None)
+        kw: dict[str, Any] = {"progress": progress, "min_put_run_bytes": 0}
+        a, b = ucx.UcxAgent(SMALL, src, **kw), ucx.UcxAgent(SMALL, dst, **kw)
+        peer = await a.connect(b.metadata())
+        for i in range(10):
+            bt = np.random.default_rng(i).permutation(16)[:5]
+            he = b.expect(f"p{i}", bt, 2, 40)
+            hs = peer.send(f"p{i}", bt, bt, 2, 40)
+            deadline = time.monotonic() + 5
+            # no await between the send and the end of this loop: only done()
+            # can progress the workers and account what arrived
+            while not (hs.done() and he.done()) and time.monotonic() < deadline:
+                pass
+            assert hs.done() and he.done(), (progress, i)
+            st, rt = hs.stats, he.stats
+            assert st.path == rt.path == "put" and rt.bytes == SMALL.wire_nbytes(38)
+            assert rt.layers_done == SMALL.num_layers
+            assert same_tokens(SMALL, src, bt, SMALL, dst, bt, 2, 40)
+            assert (await he).bytes == rt.bytes
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
+    """A task awaiting a receive is woken by the handle itself (one call_soon
+    hop), not through a shield's two: it runs before a callback scheduled
+    right after the resolution."""
+
+    async def body() -> None:
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        await a.connect(b.metadata())
+        loop = asyncio.get_running_loop()
+        h = b.expect("hop", np.arange(3), 0, 20)
+        order: list[str] = []
+
+        async def waiter() -> None:
+            await h
+            order.append("woken")
+
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0)  # the task now waits on the handle
+        ex = h.owner
+        b.expectations.on_landed(ex.token, 0, None, SMALL.num_layers, True)  # resolves it
+        loop.call_soon(order.append, "one hop later")
+        await task
+        assert order[0] == "woken", order
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+def test_cancelling_the_awaiting_task_leaves_the_receive_alone() -> None:
+    async def body() -> None:
+        src, dst = make_cache(SMALL, 8, 4), make_cache(SMALL, 8, None)
+        a = ucx.UcxAgent(SMALL, src, min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, dst, min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        he = b.expect("c", np.arange(3), 0, 20)
+        task = asyncio.ensure_future(he.wait(5))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not he.done()
+        await peer.send("c", np.arange(3), np.arange(3), 0, 20)
+        assert (await he).bytes == SMALL.wire_nbytes(20)
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+def test_parts_the_table_does_not_take_still_reach_python() -> None:
+    """Early parts, a part with other tokens, a part from another peer: the
+    engine leaves them to Python, which keeps its rules."""
+
+    async def body() -> None:
+        src, dst = make_cache(SMALL, 16, 2), make_cache(SMALL, 16, None)
+        a = ucx.UcxAgent(SMALL, src, min_put_run_bytes=0)
+        c = ucx.UcxAgent(SMALL, make_cache(SMALL, 16, 9), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, dst, min_put_run_bytes=0)
+        pa, pc = await a.connect(b.metadata()), await c.connect(b.metadata())
+        bt = np.arange(7)
+        # a layer that lands before its expect, then the rest through the table
+        await pa.send("e", bt, bt, 0, 50, layers=(0, 1))
+        await asyncio.sleep(0.05)
+        he = b.expect("e", bt, 0, 50)
+        await pa.send("e", bt, bt, 0, 50, layers=(1, SMALL.num_layers))
+        assert (await he.wait(5)).layers_done == SMALL.num_layers
+        assert same_tokens(SMALL, src, bt, SMALL, dst, bt, 0, 50)
+        # bound to a's part: c's part of the same request is refused
+        hx = b.expect("x", bt, 0, 50)
+        await pa.send("x", bt, bt, 0, 50, layers=(0, 1))
+        with pytest.raises(IncompatiblePeer):
+            await pc.send("x", bt, bt, 0, 50, layers=(1, 2)).wait(5)
+            await asyncio.sleep(0.5)  # the refusal arrives after the put completed
+            raise IncompatiblePeer("the refusal did not fail a later send")
+        assert not hx.done()
+        # other tokens than expected: the receive fails, the sender is refused
+        hy = b.expect("y", bt, 0, 50)
+        await pa.send("y", bt, bt, 0, 40)
+        with pytest.raises(RemoteProtocolError):
+            await hy.wait(5)
+        for ag in (a, b, c):
+            await ag.close()
+
+    run(body)
+
+
+# ---- the put window ------------------------------------------------------------------------
+PAGED = KVLayout(
+    num_layers=2, num_kv_heads=1, head_dim=512, dtype=DType.FP16, page_tokens=16, mla=True
+)
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 64])
+def test_put_window_moves_every_run_exactly(window: int) -> None:
+    """Scattered pages (one put per page and layer) through windows smaller
+    and larger than the batch, two batches at once on one endpoint."""
+
+    async def body() -> None:
+        pages = 96
+        src, dst = make_cache(PAGED, pages, 5), make_cache(PAGED, pages, None)
+        kw: dict[str, Any] = {"put_window": window, "min_put_run_bytes": 0}
+        a, b = ucx.UcxAgent(PAGED, src, **kw), ucx.UcxAgent(PAGED, dst, **kw)
+        peer = await a.connect(b.metadata())
+        rng = np.random.default_rng(window)
+        big_src, big_dst = rng.permutation(pages)[:80], rng.permutation(pages)[:80]
+        rest = np.setdiff1d(np.arange(pages), big_dst)
+        small_src, small_dst = rng.permutation(pages)[:4], rest[:4]
+        hb = b.expect("big", big_dst, 0, 80 * 16)
+        hs = b.expect("small", small_dst, 0, 4 * 16)
+        sb = peer.send("big", big_src, big_dst, 0, 80 * 16)
+        ss = peer.send("small", small_src, small_dst, 0, 4 * 16)
+        assert sb.stats.runs == 80 * PAGED.num_layers
+        for h in (sb, ss, hb, hs):
+            await h.wait(20)
+        assert same_tokens(PAGED, src, big_src, PAGED, dst, big_dst, 0, 80 * 16)
+        assert same_tokens(PAGED, src, small_src, PAGED, dst, small_dst, 0, 4 * 16)
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+def test_put_window_is_checked() -> None:
+    with pytest.raises(InvalidArgument):
+        ucx.UcxAgent(SMALL, make_cache(SMALL, 4, None), put_window=-1)
