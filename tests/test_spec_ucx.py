@@ -34,6 +34,9 @@ for _i, _err in ERRATA.items():
     CASES[_i] = dict(CASES[_i], valid=False, expected_error=_err)
 for _i in VALID_SINCE:
     CASES[_i] = dict(CASES[_i], valid=True, expected_error=None)
+# Memory order 2 names an engine's strided views since (ucx.md): such a blob
+# decodes, its exact_hash taken as written (the memory key is not on the wire).
+STRIDED_SINCE = {51}
 FLAGS_SET = 10  # flags and the reserved byte are ignored: re-encoding writes 0 there
 
 
@@ -53,9 +56,21 @@ def test_valid_encodings_round_trip(i: int) -> None:
         assert encode(m) == data
 
 
-@pytest.mark.parametrize("i", [i for i, c in enumerate(CASES) if not c["valid"]])
+@pytest.mark.parametrize(
+    "i", [i for i, c in enumerate(CASES) if not c["valid"] and i not in STRIDED_SINCE]
+)
 def test_invalid_encodings_are_rejected(i: int) -> None:
     c = CASES[i]
     decode, _ = _codec(c)
     with pytest.raises(getattr(errors, c["expected_error"] or "KVBridgeError")):
         decode(bytes.fromhex(c["hex"]))
+
+
+@pytest.mark.parametrize("i", sorted(STRIDED_SINCE))
+def test_memory_order_2_is_a_strided_layout(i: int) -> None:
+    from kvbridge.layout import MemoryOrder
+    from kvbridge.transport.ucx.metadata import check_layouts
+
+    md = decode_metadata(bytes.fromhex(CASES[i]["hex"]))
+    assert md.layout.order is MemoryOrder.STRIDED
+    assert not check_layouts(md.layout, md.layout)  # the staging path only

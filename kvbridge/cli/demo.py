@@ -9,6 +9,7 @@ writes a PNG of the TTFT CDFs and a JSON file of every figure."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import sys
@@ -18,6 +19,13 @@ from ..demo.config import DemoConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="reference: kvbridge's reference decoder; vllm: vLLM engines with SmolLM2 "
+        "(kvbridge.cli.vllm_demo, make demo-vllm)",
+    )
     p.add_argument(
         "--smoke", action="store_true", help="reduced run (CI): random model, few requests"
     )
@@ -31,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=["smollm2", "random"], help="the engines' weights")
     p.add_argument("--relay-transport", choices=["ucx", "tcp"], help="prefill -> relay path")
     p.add_argument("--pipelines", help="comma-separated subset of baseline,same_dc,radix,pdd")
+    p.add_argument(
+        "--role-cpus",
+        choices=["auto", "off"],
+        help="auto (default): the prefill has a CPU to itself, the decodes share the rest",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
 
@@ -52,6 +65,8 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
         changes["model"] = args.model
         if args.model == "random":
             changes["kv_dtype"] = "fp32"
+    if args.role_cpus:
+        changes["role_cpus"] = args.role_cpus
     if args.relay_transport:
         changes["rld_transport"] = args.relay_transport
     elif not _ucx_ok():
@@ -74,11 +89,20 @@ def _ucx_ok() -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from .vllm_demo import run as run_vllm
+
+        return run_vllm(args)
     from ..demo.driver import run_demo
     from ..transport.tcp import run as run_loop
 
     cfg = config_from(args)
-    result = run_loop(run_demo(cfg, args.out, progress=not args.no_progress))
+    try:
+        result = run_loop(run_demo(cfg, args.out, progress=not args.no_progress))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        # SIGTERM / SIGINT: run_demo stopped its role processes and namespaces
+        print("demo interrupted: its processes and namespaces are stopped", file=sys.stderr)
+        return 130
     ratios = result.ratios()
     print()
     for k, v in ratios.items():

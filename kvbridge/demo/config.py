@@ -4,11 +4,13 @@ driver and the role processes, and the scaling of the paper's scenario."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidArgument
 from ..layout import KVLayout
 from ..reference.decoder import DecoderConfig
 from ..sim.trace import AgentTraceConfig
@@ -69,6 +71,13 @@ class DemoConfig:
     wan_secret: str = "kvbridge-demo"  # per-peer PSKs are derived from it
     # prefill -> relay inside datacenter A
     rld_transport: str = "ucx"  # "ucx" or "tcp"
+    # ---- compute: each engine has its own accelerator in the design ------------------------
+    # "auto": the prefill's engine (its worker thread) gets the first CPU to
+    # itself, the decodes' engines share the rest (with 3 or more: the relay
+    # one, the main decode the others); the loops and transports use every
+    # CPU. "off": every engine on every CPU (the decodes' steps then take the
+    # prefill's time)
+    role_cpus: str = "auto"
     # ---- the handoff --------------------------------------------------------------------
     handoff_threshold: int = 8
     relay_capacity: int = 8  # relayed requests at which the relay's load is 1
@@ -172,6 +181,20 @@ class DemoConfig:
             think_s=self.tool_s,
             decode_s_per_token=0.0,
         )
+
+    def cpus_for(self, role: str, available: Iterable[int]) -> list[int] | None:
+        """The CPUs of role ``role`` ("p", "rld", "md") out of ``available``
+        (None: no pinning)."""
+        cpus = sorted(available)
+        if self.role_cpus == "off" or len(cpus) < 2:
+            return None
+        if self.role_cpus != "auto":
+            raise InvalidArgument(f"role_cpus must be 'auto' or 'off': {self.role_cpus!r}")
+        if role == "p":
+            return cpus[:1]
+        if len(cpus) == 2:
+            return cpus[1:]
+        return cpus[1:2] if role == "rld" else cpus[2:]
 
     def psk(self, identity: str) -> bytes:
         """The pre-shared key of one WAN peer (derived; a real deployment

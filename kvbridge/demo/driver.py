@@ -20,9 +20,11 @@ import hashlib
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,6 +38,13 @@ from ..handoff.stream import StreamMerge
 from ..sim.trace import generate_agent_trace
 from .config import PAPER, DemoConfig
 from .control import ControlClient
+from .lifecycle import (
+    cancel_on_signal,
+    child_env,
+    start_janitor,
+    stop_janitor,
+    stop_processes,
+)
 from .prompts import PromptBuilder
 from .report import (
     Aggregate,
@@ -49,7 +58,7 @@ from .report import (
 )
 from .roles import params_to
 
-__all__ = ["DemoResult", "Session", "Turn", "build_sessions", "run_demo"]
+__all__ = ["DemoResult", "RoleProcesses", "Session", "Turn", "build_sessions", "run_demo"]
 
 PIPELINE_TITLES = {
     "baseline": "cross-DC baseline (all KV)",
@@ -57,6 +66,9 @@ PIPELINE_TITLES = {
     "radix": "+ radix cache, dedupe",
     "pdd": "+ relay, token-ID handoff",
 }
+
+
+REF_STRIDE = 100_000  # reference stream ids: seed * REF_STRIDE + the turn's index
 
 
 @dataclass(frozen=True)
@@ -119,21 +131,26 @@ async def _warm_md(
     cfg: DemoConfig, p: ControlClient, client: _Client, prompts: list[list[int]], rid0: int
 ) -> None:
     """The main decode of a long-running deployment holds the system prompts:
-    send each once through the radix pipeline (one output token), unmeasured."""
-    for i, prompt in enumerate(prompts):
-        rid = rid0 + i
+    send each once through the radix pipeline (one output token), unmeasured;
+    all at once (they share nothing)."""
+
+    async def one(rid: int, prompt: list[int]) -> None:
         client.open(RequestRecord(rid, -1, "warm", "", len(prompt), 0, 0, time.monotonic()))
         params = SamplingParams(temperature=0.0, max_new_tokens=1)
-        await p.call(
-            "request",
-            timeout=cfg.request_timeout_s,
-            rid=rid,
-            prompt=prompt,
-            params=params_to(params),
-            pipeline="radix",
-        )
-        await asyncio.wait_for(client.done[rid].wait(), cfg.request_timeout_s)
-        client.close(rid)
+        try:
+            await p.call(
+                "request",
+                timeout=cfg.request_timeout_s,
+                rid=rid,
+                prompt=prompt,
+                params=params_to(params),
+                pipeline="radix",
+            )
+            await asyncio.wait_for(client.done[rid].wait(), cfg.request_timeout_s)
+        finally:
+            client.close(rid)
+
+    await asyncio.gather(*(one(rid0 + i, prompt) for i, prompt in enumerate(prompts)))
 
 
 @dataclass
@@ -146,6 +163,7 @@ class DemoResult:
     records: dict[str, list[RequestRecord]]
     ideal_p_hit: float = 0.0
     paths: dict[str, Path] = field(default_factory=dict)
+    cpu: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # per replay
 
     @property
     def ok(self) -> bool:
@@ -346,6 +364,76 @@ async def _replay(
     return records, time.monotonic() - t0
 
 
+class RoleProcesses:
+    """The three role processes (and, in netns mode, the WAN emulator they
+    run in).  Each role exits when this process dies, even by SIGKILL
+    (``PR_SET_PDEATHSIG``); a janitor process deletes the emulator's
+    namespaces when this process is gone (:mod:`kvbridge.demo.lifecycle`)."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.emu: Any = None
+        self.janitor: subprocess.Popen[bytes] | None = None
+
+    def start(self, cfg: DemoConfig, mode: str, cfg_path: str, socks: dict[str, str]) -> None:
+        from ..sim.emulator import WanEmulator
+
+        env = child_env()
+        env.setdefault("UCX_TLS", "tcp,self,sm")
+        env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        argv = [sys.executable, "-m", "kvbridge.demo.roles"]
+        if mode == "netns":
+            WanEmulator.cleanup_stale()  # a demo killed by SIGKILL before its janitor ran
+            self.emu = emu = WanEmulator(
+                rate_bps=cfg.wan_rate_bps, rtt_ms=cfg.wan_rtt_ms, loss=cfg.wan_loss
+            )
+            emu.start()
+            self.janitor = start_janitor([emu.namespace("a"), emu.namespace("b")])
+            hosts = {"p": emu.addr("a"), "rld": "127.0.0.1", "md": emu.addr("b")}
+            sides = {"p": "a", "rld": "a", "md": "b"}
+            for r in ("md", "rld", "p"):
+                self.procs.append(
+                    emu.popen(sides[r], [*argv, r, cfg_path, socks[r], hosts[r]], env=env)
+                )
+        else:
+            for r in ("md", "rld", "p"):
+                self.procs.append(
+                    subprocess.Popen([*argv, r, cfg_path, socks[r], "127.0.0.1"], env=env)
+                )
+
+    def close(self) -> None:
+        """Stop the roles (SIGTERM, then SIGKILL; bounded), then the emulator."""
+        try:
+            stop_processes(self.procs, grace_s=5.0)
+        finally:
+            if self.emu is not None:
+                self.emu.close()
+            if self.janitor is not None:
+                stop_janitor(self.janitor)
+
+
+async def _role_stats(clients: dict[str, ControlClient]) -> dict[str, dict[str, Any]]:
+    return {r: await c.call("stats", timeout=10.0) for r, c in clients.items()}
+
+
+def cpu_use(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]], wall_s: float
+) -> dict[str, dict[str, float]]:
+    """Per role over one replay, in cores: ``cpu`` (the process's CPU time),
+    ``engine`` (its worker's compute time) and ``passes``."""
+    out: dict[str, dict[str, float]] = {}
+    w = max(wall_s, 1e-9)
+    for r in after:
+        a, b = after[r], before.get(r, {})
+        aw, bw = a.get("worker", {}), b.get("worker", {})
+        out[r] = {
+            "cpu": (a.get("cpu_s", 0.0) - b.get("cpu_s", 0.0)) / w,
+            "engine": (aw.get("busy_s", 0.0) - bw.get("busy_s", 0.0)) / w,
+            "passes": float(aw.get("passes", 0) - bw.get("passes", 0)),
+        }
+    return out
+
+
 def cfg_tie(cfg: DemoConfig) -> float:
     """The largest score deficit (see engines.verify_streams) that counts as
     rounding: bf16 matmuls batched differently differ in their last bits."""
@@ -377,8 +465,18 @@ def _bar(total: int, desc: str, progress: bool) -> Any:
 async def run_demo(
     cfg: DemoConfig, out_dir: Path | None = None, *, progress: bool = True, log: Any = print
 ) -> DemoResult:
-    from ..sim.emulator import ProxyEmulator, WanEmulator
-    from .engines import reference_streams, verify_streams
+    """The whole demo; SIGTERM / SIGINT cancel it, and it stops every
+    process and namespace it started before it returns or raises."""
+    with cancel_on_signal():  # SIGTERM / SIGINT: the finally below still runs
+        return await _run_demo(cfg, out_dir, progress=progress, log=log)
+
+
+async def _run_demo(
+    cfg: DemoConfig, out_dir: Path | None, *, progress: bool, log: Any
+) -> DemoResult:
+    from ..reference.model_file import default_cache_dir
+    from ..sim.emulator import ProxyEmulator
+    from .engines import cached_reference_streams, verify_streams
 
     t_start = time.monotonic()
     tokenizer = None
@@ -400,42 +498,49 @@ async def run_demo(
         f"{cfg.wan_rate_bps / 1e6:.0f} Mbit/s, RTT {cfg.wan_rtt_ms:.0f} ms, {note}; "
         f"P->RLD over {cfg.rld_transport}"
     )
-    # what the reference engine outputs for each request by itself
-    import torch
-
-    torch.set_num_threads(1)
-    refs: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
-    for seed, sessions in seeds.items():
-        turns = [t for s in sessions for t in s.turns]
-        refs[seed] = reference_streams(cfg, [(t.index, t.prompt, t.params) for t in turns])
-    log(f"reference streams: {n_req} requests in {time.monotonic() - t_start:.0f} s")
-
     tmp = tempfile.mkdtemp(prefix="kvb-demo-")
     cfg_path = os.path.join(tmp, "config.json")
     Path(cfg_path).write_text(cfg.to_json())
     socks = {r: os.path.join(tmp, f"{r}.sock") for r in ("p", "rld", "md")}
-    procs: list[subprocess.Popen[bytes]] = []
     clients: dict[str, ControlClient] = {}
     client = _Client()
-    emu: Any = None
+    roles = RoleProcesses()
     proxy: Any = None
-    env = dict(os.environ)
-    env.setdefault("UCX_TLS", "tcp,self,sm")
-    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    argv = [sys.executable, "-m", "kvbridge.demo.roles"]
     summaries: list[PipelineSummary] = []
     records: dict[str, list[RequestRecord]] = {}
+    cpu: dict[str, dict[str, dict[str, float]]] = {}  # per replay and role, in cores
     try:
-        if mode == "netns":
-            emu = WanEmulator(rate_bps=cfg.wan_rate_bps, rtt_ms=cfg.wan_rtt_ms, loss=cfg.wan_loss)
-            emu.start()
-            hosts = {"p": emu.addr("a"), "rld": "127.0.0.1", "md": emu.addr("b")}
-            sides = {"p": "a", "rld": "a", "md": "b"}
-            for r in ("md", "rld", "p"):
-                procs.append(emu.popen(sides[r], [*argv, r, cfg_path, socks[r], hosts[r]], env=env))
-        else:
-            for r in ("md", "rld", "p"):
-                procs.append(subprocess.Popen([*argv, r, cfg_path, socks[r], "127.0.0.1"], env=env))
+        roles.start(cfg, mode, cfg_path, socks)
+        # what the reference engine outputs for each request by itself, while
+        # the roles start (computed once per trace and model, then read from
+        # the cache; on a thread, so that SIGTERM / SIGINT are served meanwhile)
+        import torch
+
+        torch.set_num_threads(1)
+        cache = None if cfg.model == "random" else default_cache_dir() / "demo"
+        stop_refs = threading.Event()
+        # every seed's requests in one batch: one decode step serves them all (one
+        # torch thread: intra-op threads on a busy machine are slower, not faster)
+        reqs = [
+            (seed * REF_STRIDE + t.index, t.prompt, t.params)
+            for seed, sessions in seeds.items()
+            for sess in sessions
+            for t in sess.turns
+        ]
+        try:
+            streams, hit = await asyncio.to_thread(
+                cached_reference_streams, cfg, reqs, cache, stop=stop_refs
+            )
+        finally:
+            stop_refs.set()
+        refs: dict[int, dict[int, tuple[list[int], list[float]]]] = defaultdict(dict)
+        for rid, stream in streams.items():
+            refs[rid // REF_STRIDE][rid % REF_STRIDE] = stream
+        log(
+            f"reference streams: {n_req} requests in {time.monotonic() - t_start:.0f} s"
+            + (f" (from {cache})" if hit else "")
+        )
+
         for r in ("md", "rld", "p"):
             clients[r] = ControlClient(socks[r], on_event=client.on_event)
             await clients[r].connect(timeout=180.0)
@@ -477,6 +582,7 @@ async def run_demo(
             await clients["p"].call("configure", pipeline=name)
             if name in ("radix", "pdd"):
                 await _warm_md(cfg, clients["p"], client, sysp, (k + 1) * 100000 + 90000)
+            before = await _role_stats(clients)
             recs, wall = await _replay(
                 name,
                 cfg,
@@ -490,6 +596,7 @@ async def run_demo(
                 None,
             )
             records[f"{name}@{load:g}x/seed{seed}"] = recs
+            cpu[f"{name}@{load:g}x/seed{seed}"] = cpu_use(before, await _role_stats(clients), wall)
             s = summarize(
                 name, recs, wall, load=load, seed=seed, sla_s=cfg.ttft_sla_s,
                 line_bps=cfg.wan_rate_bps,
@@ -497,33 +604,36 @@ async def run_demo(
             summaries.append(s)
             if bar is not None:
                 bar.update(1)
-            if not progress:
-                continue
-            print(
+            use = cpu[f"{name}@{load:g}x/seed{seed}"]
+            log(
                 f"  seed {seed} load {load:g}x {name}: {s.completed}/{s.requests} done, TTFT p90 "
-                f"{s.ttft_p90 * 1e3:.0f} ms, relay {100 * s.relay_share:.1f}%, {wall:.1f} s",
-                file=sys.stderr,
+                f"{s.ttft_p90 * 1e3:.0f} ms, relay {100 * s.relay_share:.1f}%, {wall:.1f} s; "
+                "CPU (cores) " + ", ".join(f"{r} {u['cpu']:.2f}" for r, u in use.items())
             )
         if bar is not None:
             bar.close()
     finally:
+        # every step bounded: the roles stop (asked, then SIGTERM, then SIGKILL),
+        # then the forwarder and the namespaces go
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(c.call("shutdown", timeout=3.0) for c in clients.values()),
+                    return_exceptions=True,
+                ),
+                4.0,
+            )
         for c in clients.values():
-            with contextlib.suppress(Exception):
-                await c.call("shutdown", timeout=5.0)
-            await c.close()
-        for pr in procs:
-            try:
-                pr.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pr.kill()
-                pr.wait()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(c.close(), 2.0)
         if proxy is not None:
-            await proxy.__aexit__(None, None, None)
-        if emu is not None:
-            emu.close()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(proxy.__aexit__(None, None, None), 5.0)
+        roles.close()
         for path in socks.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        shutil.rmtree(tmp, ignore_errors=True)
     # streams that differ from the reference: teacher-forced through it (no
     # role runs any more, so this takes the whole machine)
     by_seed = {sd: {t.index: t for ss_ in ss for t in ss_.turns} for sd, ss in seeds.items()}
@@ -533,14 +643,16 @@ async def run_demo(
         for rec, key in todo:
             t = by_seed[int(key.rsplit("seed", 1)[1])][rec.request_id % 100000]
             items.append((rec.request_id, t.prompt, t.params, rec.tokens))
+        t_verify = time.monotonic()
         deficits = verify_streams(cfg, items)
+        log(f"{len(items)} streams teacher-forced in {time.monotonic() - t_verify:.0f} s")
         for rec, _ in todo:
             d = deficits[rec.request_id]
             rec.detail.setdefault("check", {})["deficit"] = d
             rec.check = "near-tie" if d <= cfg_tie(cfg) else "WRONG"
         summaries = [_resummarize(cfg, s, records) for s in summaries]
     aggs = aggregate(summaries)
-    result = DemoResult(cfg, mode, note, summaries, aggs, records)
+    result = DemoResult(cfg, mode, note, summaries, aggs, records, cpu=cpu)
     ratios = result.ratios()
     if out_dir is not None:
         result.paths = write_outputs(
@@ -553,6 +665,7 @@ async def run_demo(
                 "wan_note": note,
                 "ratios": ratios,
                 "scaling": scaling(cfg, summaries, seeds),
+                "cpu": cpu,
             },
             PIPELINE_TITLES,
         )
@@ -664,7 +777,50 @@ def report_lines(
             f"{1e3 * max(puts, default=math.nan):.0f} ms; the relay's next token follows "
             f"one decode step later)"
         )
+    out += ttft_parts(result)
     out += _one_stream(result, tokenizer)
+    return out
+
+
+def ttft_parts(result: DemoResult) -> list[str]:
+    """Where each pipeline's time to first token goes, per load point, from
+    the per-request records (p50 / p90 over seeds, ms): the prefix
+    negotiation (a WAN round trip), the wait for the prefill's worker, the
+    prefill's compute, and the first token after the
+    prefill ended (the WAN transfer for P-MD, the put to the relay for
+    P-RLD-MD); and each role's CPU use in cores (mean over the replays)."""
+    out = ["where the time to first token goes (p50 / p90 over seeds, ms; CPU in cores):"]
+    groups: dict[tuple[str, float], list[str]] = defaultdict(list)
+    for key in result.records:
+        name, rest = key.split("@", 1)
+        groups[(name, float(rest.split("x/", 1)[0]))].append(key)
+    for (name, load), keys in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        recs = [r for k in keys for r in result.records[k] if r.arrivals and not r.error]
+        parts: dict[str, list[float]] = defaultdict(list)
+        for r in recs:
+            p = r.detail.get("p", {})
+            if "negotiate_s" in p:
+                parts["negotiate"].append(float(p["negotiate_s"]))
+            if "prefill_s" in p and "compute_s" in p:
+                parts["queue"].append(float(p["prefill_s"]) - float(p["compute_s"]))
+                parts["compute"].append(float(p["compute_s"]))
+            if r.prefill_end_t is not None:
+                parts["after"].append(r.arrivals[0] - r.prefill_end_t)
+            parts["ttft"].append(r.ttft)
+
+        def q(k: str, parts: dict[str, list[float]] = parts) -> str:
+            return f"{1e3 * percentile(parts[k], 50):.0f} / {1e3 * percentile(parts[k], 90):.0f}"
+
+        use: dict[str, list[float]] = defaultdict(list)
+        for k in keys:
+            for role, u in result.cpu.get(k, {}).items():
+                use[role].append(u["cpu"])
+        cpu = ", ".join(f"{role} {sum(v) / len(v):.2f}" for role, v in sorted(use.items()))
+        out.append(
+            f"  {name} @{load:g}x: TTFT {q('ttft')}; prefix negotiation {q('negotiate')}, "
+            f"prefill queue {q('queue')}, compute {q('compute')}, first token after prefill "
+            f"{q('after')}" + (f"; CPU {cpu}" if cpu else "")
+        )
     return out
 
 

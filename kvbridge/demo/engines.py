@@ -5,7 +5,12 @@ pipeline's output is checked against."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import json
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -17,6 +22,7 @@ import torch
 
 from ..cache.allocator import PageAllocator
 from ..cache.radix import InsertResult, Pin, RadixCache
+from ..errors import Cancelled
 from ..handoff.params import SamplingParams
 from ..handoff.sampling import index_seed, sample
 from ..layout import KVLayout
@@ -28,7 +34,9 @@ __all__ = [
     "LockedPages",
     "Prefilled",
     "PrefixPrefill",
+    "cached_reference_streams",
     "make_engine",
+    "reference_key",
     "reference_streams",
     "sample_margin",
     "verify_streams",
@@ -202,13 +210,16 @@ def reference_streams(
     requests: Sequence[tuple[int, Sequence[int], SamplingParams]],
     *,
     batch: int = 16,
+    stop: threading.Event | None = None,
 ) -> dict[int, tuple[list[int], list[float]]]:
     """What one decoder outputs for each request by itself (prefix-cached
     prefill, decode steps batched across requests, which computing each
-    alone equals up to rounding), with each position's sampling margin."""
+    alone equals up to rounding), with each position's sampling margin.
+    ``stop`` set: raise :class:`Cancelled` at the next step."""
     lay = cfg.p_layout()
-    longest = max((len(p) + pr.max_new_tokens for _, p, pr in requests), default=1)
-    pages = max(cfg.p_pages, 4 * lay.pages_for(longest) * batch)
+    # room for a whole batch without any prefix shared (the cache evicts the rest)
+    need = sorted((lay.pages_for(len(p) + pr.max_new_tokens) + 1 for _, p, pr in requests))
+    pages = max(cfg.p_pages, 2 * sum(need[-batch:]) + 16)
     alloc = PageAllocator(pages)
     radix = RadixCache(lay.page_tokens, allocator=alloc)
     lock = threading.Lock()
@@ -226,6 +237,8 @@ def reference_streams(
             live[rid] = ([t], [g], params, done)
         running = {r for r, (toks, _, pr, _) in live.items() if not pr.is_last(0, toks[0])}
         while running:
+            if stop is not None and stop.is_set():
+                raise Cancelled("reference streams: stopped")
             step = eng.forward({r: [live[r][0][-1]] for r in running}, last_only=True)
             for r in list(running):
                 toks, margins, params, _ = live[r]
@@ -238,6 +251,74 @@ def reference_streams(
             pre.release(r, done)
             out[r] = (toks, margins)
     return out
+
+
+REFS_FORMAT = 2  # 2: every request in one batch
+
+
+def reference_key(
+    cfg: DemoConfig, requests: Sequence[tuple[int, Sequence[int], SamplingParams]]
+) -> str:
+    """What the reference streams depend on: the weights (the prepared
+    model's files), the KV dtype and layout, torch's version and every
+    request's prompt and sampling parameters."""
+    h = hashlib.blake2b(digest_size=16)
+    meta: dict[str, Any] = {
+        "format": REFS_FORMAT,
+        "torch": torch.__version__,
+        "model": cfg.model,
+        "layout": cfg.p_layout().describe(),
+    }
+    if cfg.model == "random":
+        meta["decoder"] = dataclasses.asdict(cfg.decoder_config())
+    else:
+        d = Path(cfg.model_dir)
+        meta["files"] = sorted(
+            (f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in d.iterdir() if f.is_file()
+        )
+        meta["config"] = (d / "config.json").read_text()
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    for rid, prompt, params in requests:
+        h.update(json.dumps([rid, list(prompt), dataclasses.asdict(params)]).encode())
+    return h.hexdigest()
+
+
+def cached_reference_streams(
+    cfg: DemoConfig,
+    requests: Sequence[tuple[int, Sequence[int], SamplingParams]],
+    cache_dir: Path | None,
+    *,
+    stop: threading.Event | None = None,
+    threads: int | None = None,
+) -> tuple[dict[int, tuple[list[int], list[float]]], bool]:
+    """:func:`reference_streams`, kept in ``cache_dir`` under
+    :func:`reference_key` (None: not kept); returns them and whether they
+    came from the cache.  A file that does not parse is computed again.
+    Computed in one batch, on ``threads`` torch threads."""
+    path = None
+    if cache_dir is not None:
+        path = cache_dir / f"refs-{reference_key(cfg, requests)}.json"
+        try:
+            doc = json.loads(path.read_text())
+            out = {int(k): (list(v[0]), list(v[1])) for k, v in doc.items()}
+            if set(out) == {rid for rid, _, _ in requests}:
+                return out, True
+        except (OSError, ValueError, TypeError, IndexError):
+            pass
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        out = reference_streams(cfg, requests, stop=stop, batch=max(1, len(requests)))
+    finally:
+        torch.set_num_threads(old_threads)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({str(k): v for k, v in out.items()}))
+            os.replace(tmp, path)
+    return out, False
 
 
 def _scores(logits: torch.Tensor, params: SamplingParams, index: int) -> torch.Tensor:
@@ -267,14 +348,19 @@ def verify_streams(
     lost or repeated token gives large deficits."""
     lay = cfg.p_layout()
     longest = max((len(p) + len(o) for _, p, _, o in items), default=1)
-    pages = lay.pages_for(longest) + 2
-    eng = make_engine(cfg, lay, pages)
+    pages = max(cfg.p_pages, 4 * lay.pages_for(longest) + 4)
+    # the prompts share their system prompts: a prefix cache computes them once
+    alloc = PageAllocator(pages)
+    radix = RadixCache(lay.page_tokens, allocator=alloc)
+    lock = threading.Lock()
+    eng = make_engine(cfg, lay, pages, CachePages(radix, alloc, lock))
+    pre = PrefixPrefill(eng, radix, lock)
     out: dict[int, float] = {}
     for rid, prompt, params, output in items:
-        eng.allocate(rid)
+        done = pre.prefill(rid, prompt, None)
         try:
-            logits = eng.forward({rid: list(prompt)}, last_only=True)[rid]
-            rows = [logits[-1]]
+            assert done.logits is not None
+            rows = [done.logits]
             if len(output) > 1:
                 rows += list(eng.forward({rid: list(output[:-1])})[rid])
             worst = 0.0
@@ -283,5 +369,5 @@ def verify_streams(
                 worst = max(worst, float(sc.max() - sc[int(tok)]))
             out[rid] = worst
         finally:
-            eng.free(rid)
+            pre.release(rid, done)
     return out

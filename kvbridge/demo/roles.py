@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
+import os
 import sys
 import threading
 import time
@@ -73,6 +73,7 @@ from ..transport.tcp.sender import TcpSender
 from .config import DemoConfig
 from .control import ControlClient, ControlServer
 from .engines import CachePages, LockedPages, Prefilled, PrefixPrefill, make_engine
+from .lifecycle import die_with_parent, exit_on_signal
 
 log = logging.getLogger("kvbridge.demo")
 
@@ -138,7 +139,10 @@ class _Role:
             return {}
         if op == "stats":
             w = self.worker
-            return {"worker": dataclasses.asdict(w.stats) if w else {}}
+            return {
+                "worker": dataclasses.asdict(w.stats) if w else {},
+                "cpu_s": time.process_time(),  # the loop's, the worker's and the transports'
+            }
         fn = getattr(self, f"op_{op}", None)
         if fn is None:
             raise RemoteProtocolError(f"{self.name}: unknown op {op!r}")
@@ -147,6 +151,12 @@ class _Role:
 
     async def serve(self) -> None:
         await self.setup()
+        # the engine's compute share (DemoConfig.role_cpus): its worker thread
+        # only; the loop and the transports' threads stay on every CPU, as a
+        # host's CPUs serve the network while the accelerator computes
+        cpus = self.cfg.cpus_for(self.name, os.sched_getaffinity(0))
+        if cpus and self.worker is not None:
+            await self.worker.call(os.sched_setaffinity, 0, cpus)
         await self.control.start()
         async with self.node:
             await self.stop.wait()
@@ -154,8 +164,8 @@ class _Role:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.teardown()
-        if self.worker is not None:
-            await self.worker.close()
+        if self.worker is not None:  # what is queued is for requests that are gone
+            await self.worker.close(drain=False, timeout=5.0)
         await self.control.close()
 
     async def setup(self) -> None:
@@ -822,6 +832,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) < 3 or argv[0] not in ROLES:
         print(__doc__, file=sys.stderr)
         return 2
+    # the driver's death (even by SIGKILL) ends this process: before anything slow
+    die_with_parent()
     role, cfg_path, sock = argv[0], argv[1], argv[2]
     host = argv[3] if len(argv) > 3 else "127.0.0.1"
     logging.basicConfig(level=logging.WARNING, format=f"[{role}] %(message)s")
@@ -836,8 +848,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = new_event_loop()
     asyncio.set_event_loop(loop)
     r = ROLES[role](cfg, sock, host)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, r.stop.set)
+    # SIGTERM / SIGINT: a clean stop, or an exit after 2 s whatever the worker does
+    exit_on_signal(loop, r.stop.set, grace_s=2.0)
     try:
         loop.run_until_complete(r.serve())
     finally:

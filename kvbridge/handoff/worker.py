@@ -150,13 +150,18 @@ class EngineWorker:
             raise PeerGone(f"engine worker {self.name} is closed")
         self._q.put(item)
 
-    async def close(self) -> None:
-        """Stop the thread after what is queued; later calls raise ``PeerGone``."""
+    async def close(self, *, drain: bool = True, timeout: float = 30.0) -> None:
+        """Stop the thread after what is queued (``drain=False``: fail what is
+        queued with ``PeerGone`` instead; the pass running now completes);
+        later calls raise ``PeerGone``.  Waits at most ``timeout`` for the
+        thread (a daemon: it never holds the process at exit)."""
         if self._closed:
             return
         self._closed = True
+        if not drain:
+            self._drain_closed()
         self._q.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30.0)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
 
     # ---- the worker thread --------------------------------------------------------------
     def _run(self) -> None:

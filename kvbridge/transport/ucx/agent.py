@@ -39,7 +39,7 @@ from ...errors import (
     error_for_code,
     ucs_error,
 )
-from ...layout import KVLayout
+from ...layout import KVLayout, MemoryOrder
 from .expect import Expect, Expectations
 from .handle import TransferHandle
 from .hello import Hellos
@@ -271,7 +271,10 @@ class UcxAgent:
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
-        check_table(self.geometry, bt, start, end)  # raises PageIndexError
+        if self.layout.order is MemoryOrder.STRIDED:  # the cache maps its own block table
+            self.cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
+        else:
+            check_table(self.geometry, bt, start, end)  # raises PageIndexError
         total = self.layout.wire_nbytes(end - start, (l0, l1), hr)
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
         ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token, hr)

@@ -88,7 +88,7 @@ class AgentMetadata:
         return None
 
 
-_ORDERS = {MemoryOrder.KV_FIRST: 0, MemoryOrder.PAGE_FIRST: 1}
+_ORDERS = {MemoryOrder.KV_FIRST: 0, MemoryOrder.PAGE_FIRST: 1, MemoryOrder.STRIDED: 2}
 _HEADS = {HeadOrder.NHD: 0, HeadOrder.HND: 1}
 
 
@@ -171,16 +171,19 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
             head_dim=head_dim,
             dtype=DType.from_code(dtype_code),
             page_tokens=page_tokens,
-            order=[MemoryOrder.KV_FIRST, MemoryOrder.PAGE_FIRST][order],
+            order=[MemoryOrder.KV_FIRST, MemoryOrder.PAGE_FIRST, MemoryOrder.STRIDED][order],
             head_order=[HeadOrder.NHD, HeadOrder.HND][head_order],
             stacked=bool(stacked),
             mla=bool(mla),
             head_start=head_start,
             model_kv_heads=model_heads,
+            # an engine's own arrangement: the blob names it by its exact_hash only
+            memory=f"peer:{exact:016x}" if order == 2 else "",
         )
     except (IndexError, ValueError) as e:
         raise RemoteProtocolError(f"UCX metadata describes an invalid layout: {e}") from None
-    if layout.exact_hash != exact or layout.compat_hash != compat:
+    strided = layout.order is MemoryOrder.STRIDED
+    if (not strided and layout.exact_hash != exact) or layout.compat_hash != compat:
         raise IncompatiblePeer("UCX metadata layout hashes do not match its layout fields")
     address = r.take(r.u32(MAX_FIELD))
     count = r.u32(MAX_REGIONS)
@@ -209,6 +212,8 @@ def check_layouts(local: KVLayout, remote: KVLayout) -> bool:
         raise IncompatiblePeer(
             f"peer KV layout does not fit ours: {remote.wire_key()} vs {local.wire_key()}"
         )
+    if MemoryOrder.STRIDED in (local.order, remote.order):
+        return False  # an engine's own strides: the put path's page runs assume dense pages
     return local.exact_hash == remote.exact_hash
 
 

@@ -13,7 +13,7 @@ from ...errors import DTypeError, KVBridgeError, ShapeError, ucs_error
 from ...layout import KVLayout, MemoryOrder
 from .metadata import RegionInfo, RegionKind
 
-__all__ = ["Registration", "buffer_of", "cache_tensors", "map_engine_error"]
+__all__ = ["Registration", "buffer_of", "cache_tensors", "map_engine_error", "strided_spans"]
 
 
 def map_engine_error(exc: BaseException, what: str) -> KVBridgeError:
@@ -33,13 +33,17 @@ class Registration:
 
     def __init__(self, engine: Any, layout: KVLayout, cache: Any, staging_bytes: int) -> None:
         self.tensors, self.num_pages = cache_tensors(layout, cache)
+        spans = (
+            strided_spans(cache)
+            if layout.order is MemoryOrder.STRIDED
+            else [buffer_of(t)[:2] for t in self.tensors]
+        )
         regions: list[RegionInfo] = []
         ids: list[int] = []
         self.staging: np.ndarray | None = None
         self.staging_id = 0
         try:
-            for layer, t in enumerate(self.tensors):
-                addr, nbytes, _, _ = buffer_of(t)
+            for layer, (addr, nbytes) in enumerate(spans):
                 rid = engine.register_region(addr, nbytes)
                 ids.append(rid)
                 kind_layer = 0 if layout.stacked else layer
@@ -88,10 +92,42 @@ def buffer_of(t: Any) -> tuple[int, int, tuple[int, ...], int]:
     raise ShapeError(f"not a numpy array or torch tensor: {type(t).__name__}")
 
 
+def strided_spans(cache: Any) -> list[tuple[int, int]]:
+    """(address, nbytes) of the memory each layer of a strided cache (an
+    engine's own views, ``PagedKVCache.from_vllm`` and the like) touches:
+    from its lowest component base to the end of its farthest element."""
+    lay = cache.layout
+    spans = []
+    for ptrs in cache.component_ptrs:
+        lo, hi = min(ptrs), min(ptrs)
+        for c, base in enumerate(ptrs):
+            s = cache.strides[c]
+            end = base + lay.itemsize
+            if cache.num_pages:
+                end += (
+                    (cache.num_pages - 1) * s.page
+                    + (lay.page_tokens - 1) * s.token
+                    + (lay.num_kv_heads - 1) * s.head
+                    + (lay.head_dim - 1) * s.elem
+                )
+            hi = max(hi, end)
+        spans.append((int(lo), int(hi - lo)))
+    return spans
+
+
 def cache_tensors(layout: KVLayout, cache: Any) -> tuple[list[Any], int]:
     """The tensors of a cache (a PagedKVCache, a list of per-layer tensors,
-    or one stacked tensor) and its page count, checked against ``layout``."""
+    or one stacked tensor) and its page count, checked against ``layout``.
+    A strided cache (an engine's own views) must be a PagedKVCache with this
+    layout: its views are not contiguous, the cache holds their strides."""
     tensors: Sequence[Any]
+    if layout.order is MemoryOrder.STRIDED:
+        if getattr(cache, "layout", None) != layout or not hasattr(cache, "component_ptrs"):
+            raise ShapeError(
+                "a strided layout's cache must be the PagedKVCache it came from "
+                "(PagedKVCache.from_vllm / from_sglang / from_strided)"
+            )
+        return list(cache.layer_views()), int(cache.num_pages)
     if hasattr(cache, "tensors"):
         tensors = list(cache.tensors)
     elif isinstance(cache, (list, tuple)):

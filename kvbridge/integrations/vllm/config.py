@@ -1,0 +1,143 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key is optional (docs/vllm.md lists them with their defaults)::
+
+    {"identity": "md",                      # kvbridge identity (default: the engine id)
+     "model_id": "SmolLM2-135M-Instruct",   # compared at every handshake (default: the
+                                            # model directory's name)
+     "listen": "0.0.0.0:7400",              # decode: the kvbridge TCP listener
+     "ucx": false,                          # decode: also accept UCX one-sided puts
+     "peers": {"md":  "10.0.0.2:7400",      # prefill: the decodes, by identity
+               "rld": {"addr": "127.0.0.1:7401", "transport": "ucx"}},
+     "psk": "hex", "streams": 4,
+     "recv_timeout_s": 60, "ticket_timeout_s": 30, "send_timeout_s": 60,
+     "lease_s": 30, "connect_timeout_s": 10, "reconnect_timeout_s": 5,
+     "layerwise": true, "metrics_addr": null,  # "host:port": the bridge's own /metrics
+     "idle_wait_s": 0.002}                 # an engine that only waits for KV steps this slowly
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Any
+
+from ...errors import InvalidArgument
+
+__all__ = ["ConnectorConfig", "PeerSpec", "parse_addr"]
+
+
+def parse_addr(value: Any, what: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``[host, port]``) as a tuple."""
+    if isinstance(value, list | tuple) and len(value) == 2:
+        host, port = value
+    elif isinstance(value, str) and ":" in value:
+        host, _, port = value.rpartition(":")
+    else:
+        raise InvalidArgument(f"{what} must be 'host:port', got {value!r}")
+    try:
+        p = int(port)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{what}: bad port {port!r}") from None
+    if not 0 <= p <= 65535 or not isinstance(host, str) or not host:
+        raise InvalidArgument(f"{what} must be 'host:port', got {value!r}")
+    return host.strip("[]"), p
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """A decode the prefill sends to.  Control messages and TCP data go to
+    ``host:port`` (the decode's kvbridge listener); ``transport="ucx"`` moves
+    the data by UCX instead, after fetching the decode's UCX metadata there."""
+
+    name: str
+    host: str
+    port: int
+    transport: str = "tcp"
+
+    @property
+    def ucx_name(self) -> str:
+        return f"{self.name}/ucx"
+
+
+def _seconds(d: dict[str, Any], key: str, default: float) -> float:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        raise InvalidArgument(f"kv_connector_extra_config[{key!r}] must be seconds > 0, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    identity: str
+    model_id: str
+    listen: tuple[str, int] | None = None
+    ucx: bool = False
+    peers: tuple[PeerSpec, ...] = ()
+    psk: bytes | None = None
+    streams: int = 4
+    recv_timeout_s: float = 60.0
+    ticket_timeout_s: float = 30.0
+    send_timeout_s: float = 60.0
+    lease_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    reconnect_timeout_s: float = 5.0
+    layerwise: bool = True
+    metrics_addr: tuple[str, int] | None = None
+    idle_wait_s: float = 0.002
+
+    @classmethod
+    def from_extra(
+        cls, extra: dict[str, Any] | None, *, engine_id: str, model: str
+    ) -> ConnectorConfig:
+        d = dict(extra or {})
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise InvalidArgument(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
+        identity = d.get("identity") or engine_id
+        if not isinstance(identity, str) or not identity:
+            raise InvalidArgument("kv_connector_extra_config['identity'] must be a string")
+        model_id = d.get("model_id") or PurePath(str(model)).name or str(model)
+        listen = parse_addr(d["listen"], "listen") if d.get("listen") else None
+        peers: list[PeerSpec] = []
+        raw = d.get("peers") or {}
+        if not isinstance(raw, dict):
+            raise InvalidArgument("kv_connector_extra_config['peers'] must map names to addresses")
+        for name, spec in raw.items():
+            transport = "tcp"
+            if isinstance(spec, dict):
+                transport = str(spec.get("transport", "tcp"))
+                spec = spec.get("addr")
+            if transport not in ("tcp", "ucx"):
+                raise InvalidArgument(f"peer {name!r}: transport must be 'tcp' or 'ucx'")
+            host, port = parse_addr(spec, f"peer {name!r}")
+            peers.append(PeerSpec(str(name), host, port, transport))
+        psk = d.get("psk")
+        try:
+            key = bytes.fromhex(psk) if psk else None
+        except ValueError:
+            raise InvalidArgument("kv_connector_extra_config['psk'] must be hex") from None
+        streams = d.get("streams", 4)
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise InvalidArgument("kv_connector_extra_config['streams'] must be in [1, 64]")
+        maddr = parse_addr(d["metrics_addr"], "metrics_addr") if d.get("metrics_addr") else None
+        return cls(
+            identity=identity,
+            model_id=str(model_id),
+            listen=listen,
+            ucx=bool(d.get("ucx", False)),
+            peers=tuple(peers),
+            psk=key,
+            streams=streams,
+            recv_timeout_s=_seconds(d, "recv_timeout_s", 60.0),
+            ticket_timeout_s=_seconds(d, "ticket_timeout_s", 30.0),
+            send_timeout_s=_seconds(d, "send_timeout_s", 60.0),
+            lease_s=_seconds(d, "lease_s", 30.0),
+            connect_timeout_s=_seconds(d, "connect_timeout_s", 10.0),
+            reconnect_timeout_s=_seconds(d, "reconnect_timeout_s", 5.0),
+            layerwise=bool(d.get("layerwise", True)),
+            idle_wait_s=_seconds(d, "idle_wait_s", 0.002),
+            metrics_addr=maddr,
+        )

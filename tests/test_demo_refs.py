@@ -1,0 +1,72 @@
+"""The demo's reference streams: computed once, kept on disk under a key of
+everything they depend on, computed again when the file is damaged; the
+teacher-forced check finds a reference stream exact and a changed one not."""
+
+from __future__ import annotations
+
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvbridge.demo.config import DemoConfig
+from kvbridge.demo.engines import (
+    cached_reference_streams,
+    reference_key,
+    reference_streams,
+    verify_streams,
+)
+from kvbridge.errors import Cancelled
+from kvbridge.handoff.params import SamplingParams
+
+
+def _requests(n: int = 3) -> list[tuple[int, list[int], SamplingParams]]:
+    rng = random.Random(0)
+    system = [rng.randrange(2048) for _ in range(200)]
+    return [
+        (
+            i,
+            system + [rng.randrange(2048) for _ in range(10 + i)],
+            SamplingParams(temperature=0.7, top_k=40, seed=i, max_new_tokens=6),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_reference_streams_are_cached_by_key(tmp_path: Path) -> None:
+    cfg = DemoConfig.smoke()
+    reqs = _requests()
+    first, hit = cached_reference_streams(cfg, reqs, tmp_path)
+    assert not hit and first == reference_streams(cfg, reqs)
+    again, hit = cached_reference_streams(cfg, reqs, tmp_path)
+    assert hit and again == first
+    # another request set, another model: other keys
+    assert reference_key(cfg, reqs[:2]) != reference_key(cfg, reqs)
+    assert reference_key(cfg.replace(model_seed=1), reqs) != reference_key(cfg, reqs)
+    # a damaged file is computed again
+    (path,) = tmp_path.glob("refs-*.json")
+    path.write_text("{not json")
+    fixed, hit = cached_reference_streams(cfg, reqs, tmp_path)
+    assert not hit and fixed == first
+
+
+@pytest.mark.timeout(120)
+def test_reference_streams_stop() -> None:
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(Cancelled):
+        reference_streams(DemoConfig.smoke(), _requests(), stop=stop)
+
+
+@pytest.mark.timeout(120)
+def test_verify_streams_exact_and_changed() -> None:
+    cfg = DemoConfig.smoke()
+    reqs = _requests()
+    refs = reference_streams(cfg, reqs)
+    ok = verify_streams(cfg, [(r, p, pr, refs[r][0]) for r, p, pr in reqs])
+    assert all(d == 0.0 for d in ok.values()), ok
+    bad = list(refs[1][0])
+    bad[2] = (bad[2] + 1) % 2048
+    assert verify_streams(cfg, [(1, reqs[1][1], reqs[1][2], bad)])[1] > 1.0
