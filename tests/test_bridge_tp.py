@@ -388,7 +388,10 @@ def test_sync_bridge_reports_a_failed_part_once() -> None:
         for p in (p0, p1):
             p.connect("md", PeerConfig("tcp", "127.0.0.1", md.tcp_port))
         tickets = md.expect("r", dt, START, N, sources=tp_sources(["p0", "p1"], H))
-        p1.send("r", t1, {"md": tickets["p1"]})
+        # layer-wise with no layer ready: the part cannot complete before the
+        # cancel (a small part sent whole can land before a cancel from
+        # another thread reaches the loop)
+        p1.send("r", t1, {"md": tickets["p1"]}, layerwise=True)
         p1.cancel("r", "rank 1 lost its pages")
         ev = _poll_until([md, p1], lambda e: any(who == "md" for _, who, _ in e))
         p0.send("r", t0, {"md": tickets["p0"]})

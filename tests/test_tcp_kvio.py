@@ -108,3 +108,26 @@ def test_sender_takes_the_buffer_a_source_reads() -> None:
         await rx.close()
 
     arun(main())
+
+
+def test_kv_source_and_sink_take_the_pack_cores_thread_count() -> None:
+    """One pack or unpack thread per chunk by default (the transport already
+    runs one chunk per worker thread); any count gives the same bytes, and a
+    negative one is refused up front."""
+    from kvbridge.errors import InvalidArgument
+
+    src = pack.PagedKVCache.allocate(SRC, 40, fill="random", seed=7)
+    table = np.random.default_rng(3).permutation(40)[: SRC.pages_for(600)].astype(np.int32)
+    want = bytes(np.asarray(pack.pack(src, table, 0, 600)))
+    assert KVSource(src, table, 0, 600, None).num_threads == 1
+    for nt in (0, 1, 2):
+        source = KVSource(src, table, 0, 600, None, num_threads=nt)
+        assert bytes(source.read(0, source.nbytes)) == want
+        dst = pack.PagedKVCache.allocate(SRC, 40)
+        sink = KVSink(dst, table, 0, 600, None, num_threads=nt)
+        sink.write(0, memoryview(want))
+        assert bytes(np.asarray(pack.pack(dst, table, 0, 600))) == want
+    with pytest.raises(InvalidArgument):
+        KVSource(src, table, 0, 600, None, num_threads=-1)
+    with pytest.raises(InvalidArgument):
+        KVSink(src, table, 0, 600, None, num_threads=-1)

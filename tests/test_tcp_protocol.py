@@ -226,3 +226,42 @@ def test_an_unknown_codec_closes_the_connection_not_the_transfer() -> None:
         await rx.close()
 
     arun(main())
+
+
+def test_the_open_transfer_limit_counts_open_transfers_not_lingering_ones() -> None:
+    """max_transfers_per_connection refuses an OPEN beyond the limit with
+    RESOURCE_LIMIT while that many are open; a finished transfer lingers
+    (a late OPEN learns its outcome) but no longer counts."""
+    from kvbridge.transport.tcp import ReceiverLimits
+
+    async def main() -> None:
+        rx = TcpReceiver(
+            keepalive_interval=60, limits=ReceiverLimits(max_transfers_per_connection=2)
+        )
+        hs = [rx.expect(f"r{i}", BytesSink(10)) for i in range(4)]
+        t = await handshaken(rx)
+
+        def open_(tid: int, i: int) -> bytes:
+            return encode_frame(Open(tid, hs[i].token, 0, 10, 10, 0, 0, 0, 0, 7, 0, f"r{i}"))
+
+        t.feed(open_(1, 0) + open_(2, 1) + open_(3, 2))
+        await settle()
+        r1, r2, a3 = t.read_messages()
+        assert r1 == Resume(1, ()) and r2 == Resume(2, ())
+        assert isinstance(a3, Abort) and a3.code == ErrorCode.RESOURCE_LIMIT
+        t.feed(data_frame(1, 0, 0, b"0123456789"))
+        await settle()
+        assert t.read_messages() == [Ack(1, ((0, 10),)), Complete(1, 10)]
+        assert await hs[0] == 10
+        t.feed(open_(4, 0))  # a late OPEN of the finished transfer learns its outcome
+        t.feed(open_(5, 3))  # 1 and 4 linger, 2 is open: accepted
+        await settle()
+        assert t.read_messages() == [Resume(4, ((0, 10),)), Complete(4, 10), Resume(5, ())]
+        t.feed(open_(6, 2))  # 2 and 5 are open
+        await settle()
+        (a6,) = t.read_messages()
+        assert isinstance(a6, Abort) and a6.code == ErrorCode.RESOURCE_LIMIT
+        t.close()
+        await rx.close()
+
+    arun(main())

@@ -161,7 +161,11 @@ def test_200_concurrent_transfers_within_memory_bound() -> None:
 
     async def main() -> None:
         rx = await TcpReceiver(limits=ReceiverLimits(max_inflight_bytes_per_peer=limit)).start()
-        tx = TcpSender("127.0.0.1", rx.port, streams=4, chunk_size=64 * KiB)
+        # compressed chunks into sinks that lend no memory: every chunk is
+        # decoded and written by a worker thread, so received chunks wait in
+        # the write queue and count against the budget (small raw chunks are
+        # written at once, as they arrive, and never wait there)
+        tx = TcpSender("127.0.0.1", rx.port, streams=4, chunk_size=64 * KiB, compression="zstd")
         peak = 0
         done = False
 
@@ -173,7 +177,7 @@ def test_200_concurrent_transfers_within_memory_bound() -> None:
 
         w = asyncio.get_running_loop().create_task(watch())
         datas = [os.urandom(100 * KiB + i * 997) for i in range(200)]
-        sinks = [BytesSink(len(d)) for d in datas]
+        sinks = [OnceSink(len(d)) for d in datas]
         hs = [rx.expect(f"r{i}", s) for i, s in enumerate(sinks)]
         ss = [
             tx.send(f"r{i}", BytesSource(d), token=h.token)
@@ -183,8 +187,9 @@ def test_200_concurrent_transfers_within_memory_bound() -> None:
         done = True
         await w
         assert all(bytes(s.data) == d for s, d in zip(sinks, datas, strict=True))
-        # the bound plus what one read can deliver past it (one frame per connection)
-        assert 0 < peak <= limit + 4 * (64 * KiB + 100)
+        # the bound plus what one read can deliver past it (one frame per
+        # connection; a zstd frame of random bytes is a few bytes longer)
+        assert 0 < peak <= limit + 4 * (64 * KiB + 200)
         assert rx.inflight_bytes == 0 and rx.active_transfers == 0
         await tx.close()
         await rx.close()
@@ -291,16 +296,21 @@ def test_a_cancel_right_after_send_reaches_the_receiver(connected: bool) -> None
 
 
 def test_a_completed_transfer_sent_again_completes_without_bytes() -> None:
-    """The same ticket sent again on the same connection: RESUME + COMPLETE."""
+    """The same ticket sent again on the same connection: RESUME + COMPLETE,
+    and no byte written again.  (A small transfer's chunk leaves with its
+    OPEN, before RESUME can say that it is held: the receiver drops it.)"""
 
     async def main() -> None:
         rx, tx = await pair()
-        h = rx.expect("r", BytesSink(1000))
+        sink = BytesSink(1000)
+        h = rx.expect("r", sink)
         data = os.urandom(1000)
         await tx.send("r", BytesSource(data), token=h.token).wait(10)
+        writes = sink.writes
         again = await tx.send("r", BytesSource(data), token=h.token).wait(10)
-        assert again.chunks_sent == 0
-        assert h.stats.duplicates == 0
+        assert sink.writes == writes
+        assert again.chunks_sent <= 1
+        assert h.stats.duplicates == again.chunks_sent
         await tx.close()
         await rx.close()
 

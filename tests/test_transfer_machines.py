@@ -580,12 +580,51 @@ def test_sender_resume_marks_what_the_receiver_holds() -> None:
     tx = tx_for(100)
     tx.start(10, 0.0)
     tx.attach("a", 1)
-    assert tx.on_message("a", Resume(1, ((0, 30), (50, 10))), 0.0) == []
+    assert tx.on_message("a", Resume(1, ((0, 30), (50, 10))), 0.0) == [Wake()]
     assert tx.acked_bytes == 40
     sent = []
     while tx.has_pending():
         sent.append(tx.pop_pending())
     assert sent == [3, 4, 6, 7, 8, 9]
+
+
+def test_sender_sends_at_most_early_bytes_before_the_first_resume() -> None:
+    """Before RESUME says what the receiver holds, only ``early_bytes`` of
+    chunks may go (a transfer sent again repeats at most that much); the
+    first RESUME, on any connection, lets the rest go, and only what is missing."""
+    tx = tx_for(100)
+    tx.start(10, 0.0, early_bytes=25)
+    tx.attach("a", 1)
+    tx.attach("b", 1)
+    sent = []
+    while tx.has_pending():
+        idx = tx.pop_pending()
+        tx.claim("a", idx)
+        sent.append(idx)
+    assert sent == [0, 1, 2]  # 30 bytes claimed: the third crossed the budget
+    # a second RESUME is not a new "go": only the first one wakes
+    assert tx.on_message("b", Resume(1, ((0, 20), (40, 60))), 0.0) == [Wake()]
+    assert tx.on_message("a", Resume(1, ((0, 20),)), 0.0) == []
+    rest = []
+    while tx.has_pending():
+        rest.append(tx.pop_pending())
+    assert rest == [3]  # held: 0-1 and 4-9; chunk 2 is still on its way on "a"
+
+
+def test_sender_early_bytes_none_is_no_limit_and_one_chunk_always_goes() -> None:
+    tx = tx_for(100)
+    tx.start(10, 0.0)
+    n = 0
+    while tx.has_pending():
+        tx.claim("a", tx.pop_pending())
+        n += 1
+    assert n == 10
+    tx = tx_for(100)
+    tx.start(40, 0.0, early_bytes=0)
+    assert not tx.has_pending()  # nothing before RESUME with a zero budget
+    tx.attach("a", 1)
+    assert tx.on_message("a", Resume(1, ()), 0.0) == [Wake()]
+    assert tx.has_pending()
 
 
 @pytest.mark.parametrize(

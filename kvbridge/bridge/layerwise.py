@@ -94,9 +94,9 @@ class LayerwiseSource(KVSource):
             self._cancelled = True
             self._cond.notify_all()
 
-    def _pack_to(self, out: Any, offset: int, n: int) -> None:
-        """Both ``read`` and ``read_into`` pack through here: wait until every
-        layer that the slice touches is ready."""
+    def _wait_ready(self, offset: int, n: int) -> None:
+        """Every pack of a slice (``read``, ``read_into``, ``read_checksummed``)
+        waits here until every layer that the slice touches is ready."""
         if self._per_layer and n:
             need = self.layers[0] + (offset + n - 1) // self._per_layer + 1
             deadline = time.monotonic() + self.layer_timeout
@@ -110,7 +110,6 @@ class LayerwiseSource(KVSource):
                     self._cond.wait(left)
                 if self._cancelled:
                     raise Cancelled("layer-wise send cancelled")
-        super()._pack_to(out, offset, n)
 
 
 class LayerwiseSend(SendGroup):

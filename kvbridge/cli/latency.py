@@ -11,6 +11,14 @@ pairs stay up and take turns (--rounds rounds of --burst samples each, after
 P99, and ratios against uvloop and NIXL over the same UCX_TLS measured in the
 same run.  ``--busy`` adds a load point with one core kept busy by a spinning
 process.
+
+``--baseline DIR`` adds kvbridge TCP rows run by another kvbridge source tree
+(say the commit before a change: ``git archive <commit> kvbridge | tar -x -C
+DIR``), beside the current ones, so that before and after are measured side
+by side.  ``--breakdown`` also shows where the time of one small TCP transfer
+goes (each frame sent and read, each task, each hop to a worker thread, on
+the shared monotonic clock of both processes; the baseline's too), and times
+the pieces of one small UCX put in one process.
 """
 
 from __future__ import annotations
@@ -52,24 +60,38 @@ class Config:
     error: str = ""
 
 
+TCP_SETTING = "1 stream, no compression, checksums on"
+
+
 def configs(
     tls_list: list[str],
     libs: list[str],
     busy_poll_us: int | list[int],
     poll_yield_us: list[int] | None = None,
+    baseline: str | None = None,
 ) -> list[Config]:
     """The rows: every ``busy_poll_us`` value (awaiting), then every further
     ``poll_yield_us`` value (awaiting, the first busy_poll_us), then the
-    polling row, per UCX_TLS; the first value of each list is the default."""
+    polling row, per UCX_TLS; the first value of each list is the default.
+    ``baseline``: a kvbridge source tree whose TCP row runs beside the
+    current one."""
     polls = [busy_poll_us] if isinstance(busy_poll_us, int) else list(busy_poll_us)
     yields = list(poll_yield_us or [20])
     out = []
     if "uvloop" in libs:
         out.append(Config("uvloop ping-pong", "uvloop", {}, {}, "asyncio streams, TCP_NODELAY"))
     if "kvb-tcp" in libs:
-        out.append(
-            Config("kvbridge TCP", "kvb-tcp", {}, {}, "1 stream, no compression, checksums on")
-        )
+        out.append(Config("kvbridge TCP", "kvb-tcp", {}, {}, TCP_SETTING))
+        if baseline:
+            out.append(
+                Config(
+                    "kvbridge TCP baseline",
+                    "kvb-tcp",
+                    {},
+                    {"tree": baseline},
+                    f"{TCP_SETTING}; the kvbridge of {baseline}",
+                )
+            )
     for tls in tls_list:
         ucx_rows = [(bp, yields[0]) for bp in polls] + [(polls[0], y) for y in yields[1:]]
         for bp, py in ucx_rows if "kvb-ucx" in libs else []:
@@ -154,11 +176,13 @@ class Pair:
         self.get(1, timeout)
 
     def burst(self, n: int, timeout: float) -> tuple[list[float], list[float]]:
+        a, _ = self.burst_both(n, timeout)
+        return a[1], a[2]
+
+    def burst_both(self, n: int, timeout: float) -> tuple[Any, Any]:
         for c in self.conns:
             c.send(("run", n))
-        a = self.get(0, timeout)
-        self.get(1, timeout)
-        return a[1], a[2]
+        return self.get(0, timeout), self.get(1, timeout)
 
     def close(self) -> None:
         for c in self.conns:
@@ -261,7 +285,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--breakdown",
         action="store_true",
-        help="also time the pieces of one small UCX put in one process",
+        help="also show where the time of one small TCP transfer goes (two processes) "
+        "and time the pieces of one small UCX put (one process)",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="a kvbridge source tree whose TCP rows (and breakdown) run beside the current ones",
+    )
+    p.add_argument(
+        "--trace-count", type=int, default=300, help="transfers traced by --breakdown (TCP)"
     )
     p.add_argument("--timeout", type=float, default=120.0)
 
@@ -275,6 +308,7 @@ def run(args: Any) -> int:
     ok = True
     loads = ["idle", "1 busy"] if args.busy else ["idle"]
     print(f"# kvbridge-bench latency {' '.join(sys.argv[2:])}")
+    baseline = getattr(args, "baseline", None)
     for load in loads:
         for size in [int(s) for s in args.sizes.split(",")]:
             cfgs = configs(
@@ -282,12 +316,24 @@ def run(args: Any) -> int:
                 libs,
                 [int(x) for x in str(args.busy_poll_us).split(",")],
                 [int(x) for x in str(args.poll_yield_us).split(",")],
+                baseline,
             )
             with spinning_core(load != "idle"):
                 measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout)
             print(format_rows(cfgs, size, load), flush=True)
             ok = ok and all(not c.error for c in cfgs)
-    if args.breakdown:
+    if args.breakdown and "kvb-tcp" in libs:
+        trees = [("current", None)] + ([("baseline", baseline)] if baseline else [])
+        for size in [int(s) for s in args.sizes.split(",")]:
+            for label, tree in trees:
+                trace, legs, total = tcp_trace(size, args.trace_count, tree, args.timeout)
+                print(
+                    f"# where the time goes: one {size}-byte kvbridge TCP transfer ({label}), "
+                    f"two processes, {legs} of {total} transfers in this order, median times"
+                )
+                for at, step, what in trace:
+                    print(f"  {at:9.1f} us  +{step:8.1f}  {what}")
+    if args.breakdown and "kvb-ucx" in libs:
         for t in tls:
             for size in [int(s) for s in args.sizes.split(",")]:
                 ctx = mp.get_context("spawn")
@@ -297,6 +343,48 @@ def run(args: Any) -> int:
                 for name, us in rows:
                     print(f"  {name:<44} {us:8.2f} us")
     return 0 if ok else 1
+
+
+# ---- where the time goes: one small TCP transfer, traced in both processes ---------------------
+def tcp_trace(
+    size: int, count: int, tree: str | None, timeout: float
+) -> tuple[list[tuple[float, float, str]], int, int]:
+    """Send ``count`` transfers of ``size`` bytes one at a time from side 0
+    to side 1 with every frame, handle, task and thread hop recorded on both
+    sides (latency_peers._instrument).  Returns, for the event order most
+    transfers took (the first fifth dropped as warm-up): each event's median
+    time after ``send()`` was called and after the event before it, in
+    microseconds; and how many transfers took that order, of how many."""
+    from collections import Counter
+
+    opts: dict[str, Any] = {"count": count + 8}
+    if tree:
+        opts["tree"] = tree
+    cfg = Config("kvbridge TCP traced", "kvb-tcp-trace", {}, opts, TCP_SETTING)
+    pair = Pair(cfg, size, count + 8)
+    try:
+        pair.start(timeout)
+        a, b = pair.burst_both(count, timeout)
+    finally:
+        pair.close()
+    events = sorted(
+        [(t, "sender: " + e) for t, e in a[1]] + [(t, "receiver: " + e) for t, e in b[1]]
+    )
+    legs: list[list[tuple[float, str]]] = []
+    for t, e in events:
+        if e == "sender: send() called":
+            legs.append([])
+        if legs:
+            legs[-1].append((t, e))
+    legs = legs[len(legs) // 5 :]
+    order, n = Counter(tuple(e for _, e in leg) for leg in legs).most_common(1)[0]
+    same = [leg for leg in legs if tuple(e for _, e in leg) == order]
+    rows = []
+    for i, what in enumerate(order):
+        at = statistics.median(leg[i][0] - leg[0][0] for leg in same) * 1e6
+        step = statistics.median(leg[i][0] - leg[i - 1][0] for leg in same) * 1e6 if i else 0.0
+        rows.append((at, step, what))
+    return rows, n, len(legs)
 
 
 # ---- where the time goes: one process, two agents, timed piece by piece -----------------------

@@ -39,9 +39,43 @@ def side_main(
 ) -> None:
     os.environ.update(env)
     try:
+        tree = opts.get("tree")
+        if tree:  # another kvbridge source tree (the baseline): its own side runs
+            _from_tree(str(tree))(conn, kind, role, env, size, opts)
+            return
         _SIDES[kind](conn, role, size, opts)
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _from_tree(tree: str) -> Any:
+    """``side_main`` of the kvbridge package under ``tree`` (a source tree
+    such as ``git archive <commit> kvbridge | tar -x -C DIR``), imported in
+    place of this one: this process forgets every kvbridge module and the
+    editable install's redirection, then imports from ``tree`` first."""
+    import importlib
+    import sys
+
+    if not os.path.isdir(os.path.join(tree, "kvbridge")):
+        raise KVBridgeError(f"{tree} holds no kvbridge package")
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+    sys.path.insert(0, tree)
+    for name in [m for m in sys.modules if m == "kvbridge" or m.startswith("kvbridge.")]:
+        del sys.modules[name]
+    mod = importlib.import_module("kvbridge.cli.latency_peers")
+    if not str(mod.__file__).startswith(os.path.abspath(tree)):
+        raise KVBridgeError(f"kvbridge was imported from {mod.__file__}, not from {tree}")
+
+    def side(
+        conn: Any, kind: str, role: int, env: dict[str, str], size: int, opts: dict[str, Any]
+    ) -> None:
+        opts = {k: v for k, v in opts.items() if k != "tree"}
+        if kind == "kvb-tcp-trace":  # a tree older than the trace: instrument it from here
+            _kvb_tcp_trace(conn, role, size, opts)
+            return
+        mod.side_main(conn, kind, role, env, size, opts)
+
+    return side
 
 
 # ---- kvbridge UCX -----------------------------------------------------------------------
@@ -152,6 +186,109 @@ def _kvb_tcp(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
             conn.send(("samples", one_way, sender))
         await tx.close()
         await rx.close()
+
+    run(main())
+
+
+# ---- kvbridge TCP, traced: where the time of one small transfer goes ---------------------------
+def _instrument(log: list[tuple[float, str]]) -> None:
+    """Record, with the time, each frame sent and read, each handle resolved,
+    each task created and each hop to a worker thread (its start and end in
+    the thread), by wrapping those methods in this process.  The clock is
+    the machine's monotonic clock, shared by both processes."""
+    import concurrent.futures
+
+    from ..transport.handle import TransferHandleBase
+    from ..transport.tcp.conn import FrameConnection
+
+    now = time.perf_counter
+
+    def wrap(cls: Any, name: str, label: Any) -> None:
+        f = getattr(cls, name)
+
+        def w(self: Any, *a: Any, **k: Any) -> Any:
+            log.append((now(), label(self, *a)))
+            return f(self, *a, **k)
+
+        setattr(cls, name, w)
+
+    wrap(FrameConnection, "send", lambda c, m: f"send {type(m).__name__}")
+    wrap(FrameConnection, "buffer_updated", lambda c, n: "socket read")
+    wrap(FrameConnection, "_dispatch", lambda c, m: f"got {type(m).__name__}")
+    wrap(TransferHandleBase, "_resolve", lambda h, e: f"{type(h).__name__} resolved")
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+
+    def hop(self: Any, fn: Any, *a: Any, **k: Any) -> Any:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        log.append((now(), f"to a worker thread: {name}"))
+
+        def body(*a: Any, **k: Any) -> Any:
+            log.append((now(), f"  in the thread: {name}"))
+            try:
+                return fn(*a, **k)
+            finally:
+                log.append((now(), "  back from the thread"))
+
+        return submit(self, body, *a, **k)
+
+    concurrent.futures.ThreadPoolExecutor.submit = hop  # type: ignore[method-assign,assignment]
+
+
+def _kvb_tcp_trace(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    """Side 0 sends transfers one at a time to side 1 (each after the last
+    completed), both recording :func:`_instrument`'s events."""
+    from ..transport.tcp import BytesSink, BytesSource, TcpReceiver, TcpSender, run
+
+    count = int(opts.get("count", 4096))
+    log: list[tuple[float, str]] = []
+    _instrument(log)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        factory = loop.get_task_factory()
+
+        def task(lp: Any, coro: Any, **kw: Any) -> Any:
+            log.append((time.perf_counter(), "task created"))
+            if factory is not None:
+                return factory(lp, coro, **kw)
+            return asyncio.Task(coro, loop=lp, **kw)
+
+        rx = tx = None
+        if role == 1:
+            rx = await TcpReceiver("127.0.0.1", 0).start()
+            hs = [rx.expect(f"t{i}", BytesSink(size), timeout=3600.0) for i in range(count)]
+            conn.send(("info", (rx.port, [h.token for h in hs])))
+            conn.recv()
+        else:
+            conn.send(("info", None))
+            port, tokens = conn.recv()
+            tx = await TcpSender("127.0.0.1", port, streams=1, compression="off").connect()
+        conn.send(("ready",))
+        payload = BytesSource(np.full(size, 1, dtype=np.uint8))
+        seq = 0
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            log.clear()
+            loop.set_task_factory(task)
+            for _ in range(cmd[1]):
+                if role == 0:
+                    assert tx is not None
+                    await asyncio.sleep(0.002)  # the receiver idle again
+                    log.append((time.perf_counter(), "send() called"))
+                    await tx.send(f"t{seq}", payload, token=tokens[seq], timeout=30.0).wait(30.0)
+                    log.append((time.perf_counter(), "send handle awaited"))
+                else:
+                    await hs[seq].wait(30.0)
+                    log.append((time.perf_counter(), "expect handle awaited"))
+                seq += 1
+            loop.set_task_factory(factory)
+            conn.send(("samples", list(log), []))
+        if tx is not None:
+            await tx.close()
+        if rx is not None:
+            await rx.close()
 
     run(main())
 
@@ -269,4 +406,10 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     agent.release_xfer_handle(handle)
 
 
-_SIDES = {"kvb-ucx": _kvb_ucx, "kvb-tcp": _kvb_tcp, "uvloop": _uvloop, "nixl": _nixl}
+_SIDES = {
+    "kvb-ucx": _kvb_ucx,
+    "kvb-tcp": _kvb_tcp,
+    "kvb-tcp-trace": _kvb_tcp_trace,
+    "uvloop": _uvloop,
+    "nixl": _nixl,
+}

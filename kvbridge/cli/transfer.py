@@ -1,8 +1,22 @@
-"""WAN transfer benchmark: goodput of kvbridge vs raw uvloop sockets moving the
-same bytes in the same run, and P50/P99 completion latency of 1 MiB transfers
-while a large transfer runs, with and without the scheduler.
+"""TCP transfer benchmark, every row side by side in one run:
 
-  kvbridge-bench transfer                      both ends on this host (two processes)
+* goodput: kvbridge against raw uvloop sockets moving the same bytes over
+  the same number of connections between the same two processes,
+  interleaved round by round (the ratio: median and range of the rounds);
+* vs Mooncake: the anchors' workload (256 MiB in one run; 4096 random
+  64 KiB pages) moved by kvbridge's TCP transport, raw uvloop sockets and
+  Mooncake's transfer engine (TCP), one receiver and one sender process per
+  run, rounds interleaving the rows, bytes checked by hash at both ends;
+* latency: P50/P99 completion of small transfers started while a large one
+  runs, with the ``srpt`` and the ``fifo`` scheduler, in interleaved rounds
+  (a large transfer that finishes is replaced, so each policy gets
+  ``--count`` samples);
+* the compression decision on synthetic and real KV at 1-100 Gbit/s.
+
+Load points (``--loads``): idle, and one core kept busy by a spinning
+process, so that a result that flips is visible.
+
+  kvbridge-bench transfer                      both ends here (two processes)
   kvbridge-bench transfer serve --port 7400    the receiving end, for another host
   kvbridge-bench transfer --connect HOST:7400:7401   against a remote `serve`
 """
@@ -12,12 +26,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from ..transport.tcp import run as run_loop
 from . import transfer_bench as bm
+from . import transfer_peers as tp
+from .compare import spinning_core
 
 MiB = 1 << 20
 
@@ -47,7 +64,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-kib", type=int, default=1024, help="latency: the small transfers")
     p.add_argument("--count", type=int, default=50, help="latency: small transfers per policy")
     p.add_argument(
-        "--skip", choices=["goodput", "latency", "compression"], action="append", default=[]
+        "--rounds", type=int, default=5, help="latency and vs-Mooncake: interleaved rounds"
+    )
+    p.add_argument("--loads", default="idle,busy", help="comma list of: idle, busy (one core)")
+    p.add_argument(
+        "--libs",
+        default="kvbridge,raw,mooncake",
+        help="vs Mooncake: rows (kvbridge,kvbridge-2pass,raw,mooncake)",
+    )
+    p.add_argument("--scenarios", default="bulk,pages", help="vs Mooncake: bulk, pages")
+    p.add_argument(
+        "--iters", type=int, default=4, help="vs Mooncake: transfers per run (first: warm-up)"
+    )
+    p.add_argument(
+        "--skip",
+        choices=["goodput", "mooncake", "latency", "compression"],
+        action="append",
+        default=[],
     )
     p.add_argument("--psk-hex", help="pre-shared key (hex), both ends")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -75,59 +108,168 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             run_loop(bm.serve(args.host, args.port, args.raw_port, ready=ready, psk=psk))
         return 0
-    proc = None
-    if args.connect:
-        host, port, raw_port = args.connect.rsplit(":", 2)
-        info = {"host": host, "port": int(port), "raw_port": int(raw_port)}
-    else:
-        extra = ["--psk-hex", args.psk_hex] if args.psk_hex else []
-        proc, info = bm.spawn_server(extra)
-    show = not (args.json or args.no_progress)
+    if not args.json:
+        print(f"# kvbridge-bench transfer {' '.join(sys.argv[2:])}", flush=True)
     results: dict[str, Any] = {}
     if "compression" not in args.skip:
         results["compression"] = bm.compression_report(bm.synthetic_kv(4 << 20))
         results["compression_reference"] = bm.compression_report(bm.reference_kv(1 << 20))
-    try:
-        h, port, raw_port = info["host"], info["port"], info["raw_port"]
-        if "goodput" not in args.skip:
-            with _bar(args.repeats + 1, "goodput", show) as prog:
-                results["goodput"] = run_loop(
-                    bm.measure_goodput(
-                        h, port, raw_port,
-                        nbytes=args.bytes_mib * MiB, streams=args.streams,
-                        chunk_size=_chunk(args), repeats=args.repeats,
-                        compression=args.compression, progress=prog, psk=psk,
-                        data_kind=args.data,
-                    )
-                )  # fmt: skip
-        if "latency" not in args.skip:
-            results["latency"] = []
-            for policy in ("srpt", "fifo"):
-                with _bar(args.count, f"latency {policy}", show) as prog:
-                    results["latency"].append(
-                        run_loop(
-                            bm.measure_latency(
-                                h, port, big_bytes=args.big_mib * MiB,
-                                small_bytes=args.small_kib * 1024, count=args.count,
-                                streams=args.streams, chunk_size=_chunk(args),
-                                scheduler=policy, progress=prog, psk=psk,
-                            )
-                        )
-                    )  # fmt: skip
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
+        if not args.json:
+            _print_compression(results)
+    loads = [x for x in args.loads.split(",") if x]
+    for load in loads:
+        with spinning_core(load == "busy"):
+            results[load] = _one_load(args, psk, load)
     if args.json:
         print(json.dumps(results))
+    return exit_code([r for load in loads for r in results[load].get("mooncake", [])])
+
+
+def exit_code(rows: list[dict[str, Any]]) -> int:
+    """1 when a comparison row moved wrong bytes or failed; raw rows are not
+    checked (``ok`` None) and pass."""
+    return 0 if all(r.get("ok") is not False and "error" not in r for r in rows) else 1
+
+
+def _one_load(args: argparse.Namespace, psk: bytes | None, load: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"mooncake": []}
+    show = not (args.json or args.no_progress)
+    if "goodput" in args.skip and "latency" in args.skip:
+        pass
     else:
-        _print(results)
-    return 0
+        proc = None
+        if args.connect:
+            host, port, raw_port = args.connect.rsplit(":", 2)
+            info = {"host": host, "port": int(port), "raw_port": int(raw_port)}
+        else:
+            extra = ["--psk-hex", args.psk_hex] if args.psk_hex else []
+            proc, info = bm.spawn_server(extra)
+        try:
+            h, port, raw_port = info["host"], info["port"], info["raw_port"]
+            if "goodput" not in args.skip:
+                with _bar(args.repeats + 1, f"goodput {load}", show) as prog:
+                    out["goodput"] = run_loop(
+                        bm.measure_goodput(
+                            h, port, raw_port,
+                            nbytes=args.bytes_mib * MiB, streams=args.streams,
+                            chunk_size=_chunk(args), repeats=args.repeats,
+                            compression=args.compression, progress=prog, psk=psk,
+                            data_kind=args.data,
+                        )
+                    )  # fmt: skip
+                if not args.json:
+                    _print_goodput(out["goodput"], load)
+            if "latency" not in args.skip:
+                with _bar(2 * args.count, f"latency {load}", show) as prog:
+                    out["latency"] = run_loop(
+                        bm.measure_latency(
+                            h, port, big_bytes=args.big_mib * MiB,
+                            small_bytes=args.small_kib * 1024, count=args.count,
+                            rounds=args.rounds, streams=args.streams,
+                            chunk_size=_chunk(args), progress=prog, psk=psk,
+                        )
+                    )  # fmt: skip
+                if not args.json:
+                    _print_latency(out["latency"], load)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+    if "mooncake" not in args.skip and not args.connect:
+        out["mooncake"] = _vs_mooncake(args, load)
+        if not args.json:
+            print(format_tcp_table(out["mooncake"]), flush=True)
+    return out
 
 
-def _print(results: dict[str, Any]) -> None:
+def _vs_mooncake(args: argparse.Namespace, load: str) -> list[dict[str, Any]]:
+    import importlib.util
+    import types
+
+    from .compare import scenarios
+
+    libs = [x for x in args.libs.split(",") if x]
+    if "mooncake" in libs and importlib.util.find_spec("mooncake") is None:
+        print("missing: mooncake (pip install mooncake-transfer-engine-non-cuda); skipped")
+        libs.remove("mooncake")
+    scens = scenarios(
+        types.SimpleNamespace(
+            scenarios=args.scenarios, bulk_mib=args.bytes_mib, pages=4096, page_kib=64,
+            llama_tokens=0, block_tables="shuffled",
+        )
+    )  # fmt: skip
+    out: list[dict[str, Any]] = []
+    for scen in scens:
+        # the two-pass row differs from kvbridge's only where a KV source packs
+        rows = [
+            r for r in tp.rows_for(libs, args.streams) if not scen.bulk or r.opts.get("one_pass", 1)
+        ]
+        for _ in range(args.rounds):
+            for row in rows:
+                r = tp.run_one(row, scen, args.iters, 600.0)
+                if "error" in r:
+                    row.errors.append(r["error"])
+                else:
+                    row.times += r["times"]
+                    row.rounds.append(statistics.median(r["times"]))
+                    row.corrupt += 1 if r["ok"] is False else 0
+                    row.checked = row.checked or r["ok"] is not None
+        out += summarise(rows, scen.name, scen.nbytes, load)
+    return out
+
+
+def summarise(rows: list[tp.Row], scen: str, nbytes: int, load: str) -> list[dict[str, Any]]:
+    """One result per row: median GB/s over every transfer, and ratios to
+    the raw and Mooncake rows: median and range of the rounds' ratios."""
+    res = []
+    by = {r.lib: r for r in rows}
+    for row in rows:
+        d: dict[str, Any] = {
+            "row": row.name, "lib": row.lib, "setting": row.setting, "scenario": scen,
+            "load": load, "nbytes": nbytes, "samples": len(row.times),
+        }  # fmt: skip
+        if not row.times:
+            d["error"] = row.errors[0] if row.errors else "no samples"
+            res.append(d)
+            continue
+        d["gbps"] = nbytes / statistics.median(row.times) / 1e9
+        d["ok"] = None if not row.checked else row.corrupt == 0
+        for base, key in (("raw", "vs_raw"), ("mooncake", "vs_mooncake")):
+            b = by.get(base)
+            if b is None or b is row or not b.rounds or len(b.rounds) != len(row.rounds):
+                continue
+            rs = [t_b / t for t, t_b in zip(row.rounds, b.rounds, strict=True)]
+            d[key] = (statistics.median(rs), min(rs), max(rs))
+        res.append(d)
+    return res
+
+
+def format_tcp_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'load':<5} {'scenario':<20} {'row':<13} {'GB/s':>6} {'n':>3} "
+        f"{'vs raw (range)':>19} {'vs Mooncake (range)':>19} check  setting"
+    )
+    lines = [head, "-" * len(head)]
+
+    def ratio(v: Any) -> str:
+        return f"{v[0]:.2f}x ({v[1]:.2f}-{v[2]:.2f})" if v else "-"
+
+    for r in rows:
+        pre = f"{r['load']:<5} {r['scenario']:<20} {r['row']:<13}"
+        if "error" in r:
+            lines.append(f"{pre} error: {r['error'][:120]}")
+            continue
+        check = {None: "-", True: "ok", False: "CORRUPT"}[r["ok"]]
+        lines.append(
+            f"{pre} {r['gbps']:6.2f} {r['samples']:3d} {ratio(r.get('vs_raw')):>19} "
+            f"{ratio(r.get('vs_mooncake')):>19} {check:<6} {r['setting']}"
+        )
+    return "\n".join(lines)
+
+
+def _print_compression(results: dict[str, Any]) -> None:
     for key, what in (
         ("compression", "synthetic fp16 KV"),
         ("compression_reference", "reference-decoder bf16 KV"),
@@ -138,22 +280,36 @@ def _print(results: dict[str, Any]) -> None:
                 f"{d['ratio_zstd']:.3f}, lz4 {d['ratio_lz4']:.3f} (after shuffle); "
                 f"-> {d['codec']} ({d['reason']})"
             )
-    g = results.get("goodput")
-    if g:
+
+
+def _print_goodput(g: dict[str, Any], load: str) -> None:
+    print(
+        f"goodput  {load}: kvbridge {g['kvbridge_bytes'] / MiB:.0f} MiB over "
+        f"{g['kvbridge_streams']} streams ({g['chunk_size'] // 1024} KiB chunks) "
+        f"{g['kvbridge_GBps']:.2f} GB/s; raw uvloop {g['raw_bytes'] / MiB:.0f} MiB over "
+        f"{g['raw_streams']} streams {g['raw_GBps']:.2f} GB/s; ratio {g['ratio']:.2f}x "
+        f"(range {g['ratio_min']:.2f}-{g['ratio_max']:.2f}, {g['repeats']} interleaved rounds)",
+        flush=True,
+    )
+    c = g.get("compression") or {}
+    if c:
+        print(f"         compression: {c.get('codec')} ({c.get('reason')})")
+
+
+def _print_latency(lat: dict[str, Any], load: str) -> None:
+    for p in lat["policies"]:
         print(
-            f"goodput  {g['bytes'] / MiB:.0f} MiB x{g['repeats']}, {g['streams']} streams, "
-            f"{g['chunk_size'] // 1024} KiB chunks: kvbridge {g['kvbridge_GBps']:.2f} GB/s, "
-            f"raw uvloop {g['raw_GBps']:.2f} GB/s, ratio {g['ratio']:.2f}x"
+            f"latency  {load}: {lat['small_bytes'] // 1024} KiB behind {lat['big_bytes'] / MiB:.0f} "
+            f"MiB, {lat['streams']} streams, {p['scheduler']}: P50 {p['p50_ms']:.1f} ms, "
+            f"P99 {p['p99_ms']:.1f} ms ({p['samples']} samples, {p['big_transfers']} large "
+            f"transfers, {lat['rounds']} interleaved rounds)",
+            flush=True,
         )
-        c = g.get("compression") or {}
-        if c:
-            print(f"         compression: {c.get('codec')} ({c.get('reason')})")
-    for lat in results.get("latency", []):
-        print(
-            f"latency  {lat['small_bytes'] // 1024} KiB behind {lat['big_bytes'] / MiB:.0f} MiB, "
-            f"{lat['scheduler']}: P50 {lat['p50_ms']:.1f} ms, P99 {lat['p99_ms']:.1f} ms "
-            f"({lat['samples']} samples)"
-        )
+    for key in ("p50", "p99"):
+        v = lat.get(f"fifo_over_srpt_{key}")
+        if v is not None:
+            lo, hi = lat[f"fifo_over_srpt_{key}_range"]
+            print(f"         fifo / srpt {key.upper()}: {v:.2f}x (range {lo:.2f}-{hi:.2f})")
 
 
 if __name__ == "__main__":  # `python -m kvbridge.cli.transfer`, used by spawn_server

@@ -43,8 +43,9 @@ class _ReuseSink:
     layout_hash = 0
     token_range = (0, 0)
     layer_range = (0, 0)
+    flush_on_loop = True
 
-    def __init__(self, buf: bytearray, nbytes: int) -> None:
+    def __init__(self, buf: bytearray | memoryview, nbytes: int) -> None:
         self.buf = memoryview(buf)
         self.nbytes = nbytes
 
@@ -187,8 +188,9 @@ async def measure_goodput(
     data_kind: str = "random",
     **tx_kwargs: Any,
 ) -> dict[str, Any]:
-    """Median goodput of kvbridge and of raw sockets moving the same bytes,
-    interleaved run by run.  ``data_kind``: "random" bytes, or "kv": the
+    """Median goodput of kvbridge and of raw sockets moving the same bytes
+    over the same number of connections, interleaved run by run; the ratio
+    is the median (and range) of the rounds' ratios.  ``data_kind``: "random" bytes, or "kv": the
     reference decoder's real bf16 KV (a 4 MiB sample repeated: farther apart
     than the zstd-1 and lz4 windows reach, so each chunk compresses as unique
     KV would)."""
@@ -228,15 +230,23 @@ async def measure_goodput(
             w.close()
         await tx.close()
     k, r = statistics.median(kvb), statistics.median(raw)
+    ratios = [a / b for a, b in zip(kvb, raw, strict=True)]  # round by round
     return {
         "bytes": nbytes,
         "streams": streams,
+        "kvbridge_bytes": nbytes,
+        "kvbridge_streams": last.streams if last is not None else streams,
+        "raw_bytes": nbytes,
+        "raw_streams": len(raw_conns),
         "chunk_size": last.chunk_size if last is not None else chunk_size,
         "chunk_auto": chunk_size is None,
         "repeats": repeats,
         "kvbridge_GBps": k / 1e9,
         "raw_GBps": r / 1e9,
-        "ratio": k / r,
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratios": ratios,
         "compression": last.compression if last is not None else {},
     }
 
@@ -248,56 +258,107 @@ async def measure_latency(
     big_bytes: int = 2 << 30,
     small_bytes: int = 1 << 20,
     count: int = 50,
+    rounds: int = 5,
     interval: float = 0.02,
     streams: int = 4,
     chunk_size: int | None = None,
-    scheduler: str = "srpt",
+    policies: tuple[str, ...] = ("srpt", "fifo"),
     progress: Callable[[int], None] | None = None,
     **tx_kwargs: Any,
 ) -> dict[str, Any]:
-    """Completion times of ``count`` small transfers started while a large one runs."""
-    tx = TcpSender(
-        host, port, streams=streams, chunk_size=chunk_size, scheduler=scheduler,
-        compression="off", **tx_kwargs,
-    )  # fmt: skip
-    await tx.connect()
-    broker = _TokenBroker(tx)
+    """Completion times of small transfers started while a large one runs,
+    for each scheduler policy, in interleaved rounds (one sender per policy;
+    each round takes ``count / rounds`` samples of each policy in turn).  A
+    sample counts only if the large transfer was running when the small one
+    started and when it completed; a large transfer that finishes is
+    replaced by the next, so every policy gets ``count`` samples.  Returns
+    per policy P50 / P99 and the sample count, and the fifo / srpt ratios
+    (median and range over the rounds)."""
+    per_round = -(-count // rounds)
+    senders: dict[str, TcpSender] = {}
+    brokers: dict[str, _TokenBroker] = {}
+    for policy in policies:
+        tx = TcpSender(
+            host, port, streams=streams, chunk_size=chunk_size, scheduler=policy,
+            compression="off", **tx_kwargs,
+        )  # fmt: skip
+        await tx.connect()
+        senders[policy], brokers[policy] = tx, _TokenBroker(tx)
     big = memoryview(bytearray(big_bytes))
     small = memoryview(os.urandom(small_bytes))
-    lat: list[float] = []
+    lat: dict[str, list[float]] = {p: [] for p in policies}
+    by_round: dict[str, list[list[float]]] = {p: [] for p in policies}
+    bigs = dict.fromkeys(policies, 0)
+    done = 0
     try:
-        tok = await broker.token("big", big_bytes)
-        hb = tx.send("big", BytesSource(big), token=tok)
-        while hb.acked_bytes < min(big_bytes // 10, 64 << 20) and not hb.done():
-            await asyncio.sleep(0.001)
-        for i in range(count):
-            if hb.done():
-                break
-            tok = await broker.token(f"small-{i}", small_bytes)
-            t0 = time.perf_counter()
-            await tx.send(f"small-{i}", BytesSource(small), token=tok).wait(600)
-            lat.append(time.perf_counter() - t0)
-            if progress is not None:
-                progress(i)
-            await asyncio.sleep(interval)
-        big_done_early = hb.done()
-        hb.cancel()
+        for r in range(rounds):
+            for policy in policies:
+                tx, broker = senders[policy], brokers[policy]
+                got: list[float] = []
+                hb = None
+                i = 0
+                while len(got) < min(per_round, count - len(lat[policy])):
+                    if hb is None or hb.done():  # (another) large transfer to hide behind
+                        rid = f"big-{policy}-{r}-{bigs[policy]}"
+                        tok = await broker.token(rid, big_bytes)
+                        hb = tx.send(rid, BytesSource(big), token=tok, timeout=600)
+                        bigs[policy] += 1
+                        while hb.acked_bytes < min(big_bytes // 10, 64 << 20) and not hb.done():
+                            await asyncio.sleep(0.001)
+                        continue
+                    rid = f"small-{policy}-{r}-{i}"
+                    i += 1
+                    tok = await broker.token(rid, small_bytes)
+                    if hb.done():
+                        continue
+                    t0 = time.perf_counter()
+                    await tx.send(rid, BytesSource(small), token=tok).wait(600)
+                    dt = time.perf_counter() - t0
+                    if not hb.done():  # behind the large one the whole time
+                        got.append(dt)
+                        done += 1
+                        if progress is not None:
+                            progress(done)
+                    await asyncio.sleep(interval)
+                if hb is not None:
+                    hb.cancel()
+                lat[policy] += got
+                by_round[policy].append(got)
     finally:
-        await tx.close()
-    lat.sort()
+        for tx in senders.values():
+            await tx.close()
 
-    def pct(q: float) -> float:
-        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")
+    def pct(xs: list[float], q: float) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
 
-    return {
-        "scheduler": scheduler,
+    out: dict[str, Any] = {
         "big_bytes": big_bytes,
         "small_bytes": small_bytes,
-        "samples": len(lat),
-        "p50_ms": pct(0.50),
-        "p99_ms": pct(0.99),
-        "big_finished_first": big_done_early,
+        "streams": streams,
+        "rounds": rounds,
+        "policies": [
+            {
+                "scheduler": p,
+                "samples": len(lat[p]),
+                "big_transfers": bigs[p],
+                "p50_ms": pct(lat[p], 0.50),
+                "p99_ms": pct(lat[p], 0.99),
+            }
+            for p in policies
+        ],
     }
+    if "srpt" in policies and "fifo" in policies:
+        for q, key in ((0.5, "p50"), (0.99, "p99")):
+            rs = [
+                pct(f, q) / pct(s, q)
+                for s, f in zip(by_round["srpt"], by_round["fifo"], strict=True)
+                if s and f
+            ]
+            if rs:
+                out[f"fifo_over_srpt_{key}"] = statistics.median(rs)
+                out[f"fifo_over_srpt_{key}_range"] = (min(rs), max(rs))
+    return out
 
 
 def spawn_server(extra: list[str] | None = None) -> tuple[subprocess.Popen[str], dict[str, Any]]:

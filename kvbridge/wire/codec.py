@@ -95,6 +95,11 @@ class FrameDecoder:
     ``placed=True``), or ``None`` (the payload gets its own allocation).
     :meth:`discard_current` stops writing into a placed view mid-frame.
 
+    ``hash_unplaced``, when set, is asked for a large DATA frame that is not
+    placed whether to hash its bytes as they arrive: False when its
+    destination verifies the checksum in the copy that writes the bytes (the
+    frame is then emitted with ``digest=None``).
+
     With ``on_message`` set, each message goes to it the moment it is parsed
     (and ``buffer_updated`` returns an empty list): then ``place`` always sees
     the effects of every earlier frame (say, the OPEN of the transfer whose
@@ -111,6 +116,7 @@ class FrameDecoder:
         self.max_payload = max_payload
         self.allocate: Callable[[int], bytearray] = allocate or bytearray
         self.place = place
+        self.hash_unplaced: Callable[[DataHead], bool] | None = None
         self.version: int | None = None
         # DATA frames carry the header check (both peers announced RANGES):
         # a frame whose check fails is a protocol error before anything of it is used
@@ -325,15 +331,17 @@ class FrameDecoder:
                 raise RemoteProtocolError(
                     f"DATA wire length {head.wire_length} exceeds payload of {length} bytes"
                 )
-            self._hasher, self._hash_from = xxhash.xxh3_64(), prefix
             if prefix <= avail and (view := self._ask_place(flags, head)) is not None:
                 n = avail - prefix
                 view[:n] = stage[start + prefix : start + avail]
+                self._hasher = xxhash.xxh3_64()
                 self._hasher.update(view[:n])
                 self._big, self._big_filled, self._big_head = view, n, head
-                self._hash_from = 0
                 self._r = self._w = 0
                 return
+            if self.hash_unplaced is None or self.hash_unplaced(head):
+                self._hasher, self._hash_from = xxhash.xxh3_64(), prefix
+            # else: verified in the pass that writes its bytes (digest None)
         big = memoryview(self.allocate(length))
         big[:avail] = stage[start : start + avail]
         if self._hasher is not None and avail > self._hash_from:

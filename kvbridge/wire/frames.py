@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -344,96 +345,108 @@ def _ranges(ranges: tuple[tuple[int, int], ...]) -> bytes:
     return b"".join(_RANGE.pack(o, n) for o, n in ranges)
 
 
+def _e_hello(msg: Hello) -> tuple[int, int, bytes]:
+    p = _HELLO.pack(
+        msg.min_version,
+        msg.max_version,
+        msg.auth,
+        0,
+        msg.compat_hash,
+        msg.max_frame,
+        msg.capabilities,
+        msg.nonce,
+    )
+    return FrameType.HELLO, 0, p + _s(msg.identity) + bytes(msg.extension)
+
+
+def _e_hello_ack(msg: HelloAck) -> tuple[int, int, bytes]:
+    p = _HELLO_ACK.pack(
+        msg.version,
+        msg.auth,
+        0,
+        msg.compat_hash,
+        msg.max_frame,
+        msg.capabilities,
+        msg.nonce,
+        msg.proof,
+    )
+    return FrameType.HELLO_ACK, 0, p + _s(msg.identity) + bytes(msg.extension)
+
+
+def _e_open(msg: Open) -> tuple[int, int, bytes]:
+    p = _OPEN.pack(
+        msg.transfer_id,
+        msg.token,
+        msg.layout_hash,
+        msg.total_bytes,
+        msg.chunk_size,
+        msg.token_start,
+        msg.token_end,
+        msg.layer_start,
+        msg.layer_end,
+        msg.codecs,
+        msg.priority,
+        0,
+    )
+    return FrameType.OPEN, 0, p + _s(msg.request_id)
+
+
+def _e_data(msg: Data) -> tuple[int, int, bytes]:
+    p = _DATA.pack(
+        msg.transfer_id,
+        msg.seq,
+        msg.offset,
+        msg.raw_length,
+        len(msg.data),
+        msg.codec,
+        msg.shuffle,
+        0,
+        msg.checksum,
+    )
+    return FrameType.DATA, 0, p
+
+
+def _e_control(msg: Control) -> tuple[int, int, bytes]:
+    if not CONTROL_FIRST <= msg.type <= 0xFF:
+        raise RemoteProtocolError(f"control type {msg.type:#x} outside 0x40-0xFF")
+    return msg.type, msg.flags, bytes(msg.payload)
+
+
+# one encoder per message class, looked up by the message's exact type
+_ENCODERS: dict[type, Callable[[Any], tuple[int, int, bytes]]] = {
+    Hello: _e_hello,
+    HelloAck: _e_hello_ack,
+    Auth: lambda m: (FrameType.AUTH, 0, bytes(m.proof)),
+    Ready: lambda m: (FrameType.READY, 0, b""),
+    Error: lambda m: (FrameType.ERROR, 0, _ERROR.pack(m.code) + _s(m.reason)),
+    Ping: lambda m: (FrameType.PING, 0, _PING.pack(m.nonce)),
+    Pong: lambda m: (FrameType.PONG, 0, _PING.pack(m.nonce)),
+    Open: _e_open,
+    Resume: lambda m: (
+        FrameType.RESUME,
+        0,
+        _COUNT.pack(m.transfer_id, len(m.held)) + _ranges(m.held),
+    ),
+    Data: _e_data,
+    Ack: lambda m: (
+        FrameType.ACK,
+        0,
+        _COUNT.pack(m.transfer_id, len(m.ranges)) + _ranges(m.ranges),
+    ),
+    Nack: lambda m: (FrameType.NACK, 0, _NACK.pack(m.transfer_id, m.offset, m.length, m.code)),
+    Abort: lambda m: (FrameType.ABORT, 0, _ABORT.pack(m.transfer_id, m.code) + _s(m.reason)),
+    Complete: lambda m: (FrameType.COMPLETE, 0, _COMPLETE.pack(m.transfer_id, m.total_bytes)),
+    Control: _e_control,
+}
+
+
 def encode_payload(msg: Message) -> tuple[int, int, bytes]:
     """``(frame type, flags, payload)`` of a message.  DATA payloads exclude the
     chunk bytes (see :func:`kvbridge.wire.codec.encode_frame`)."""
-    match msg:
-        case Hello():
-            p = _HELLO.pack(
-                msg.min_version,
-                msg.max_version,
-                msg.auth,
-                0,
-                msg.compat_hash,
-                msg.max_frame,
-                msg.capabilities,
-                msg.nonce,
-            )
-            return FrameType.HELLO, 0, p + _s(msg.identity) + bytes(msg.extension)
-        case HelloAck():
-            p = _HELLO_ACK.pack(
-                msg.version,
-                msg.auth,
-                0,
-                msg.compat_hash,
-                msg.max_frame,
-                msg.capabilities,
-                msg.nonce,
-                msg.proof,
-            )
-            return FrameType.HELLO_ACK, 0, p + _s(msg.identity) + bytes(msg.extension)
-        case Auth():
-            return FrameType.AUTH, 0, bytes(msg.proof)
-        case Ready():
-            return FrameType.READY, 0, b""
-        case Error():
-            return FrameType.ERROR, 0, _ERROR.pack(msg.code) + _s(msg.reason)
-        case Ping():
-            return FrameType.PING, 0, _PING.pack(msg.nonce)
-        case Pong():
-            return FrameType.PONG, 0, _PING.pack(msg.nonce)
-        case Open():
-            p = _OPEN.pack(
-                msg.transfer_id,
-                msg.token,
-                msg.layout_hash,
-                msg.total_bytes,
-                msg.chunk_size,
-                msg.token_start,
-                msg.token_end,
-                msg.layer_start,
-                msg.layer_end,
-                msg.codecs,
-                msg.priority,
-                0,
-            )
-            return FrameType.OPEN, 0, p + _s(msg.request_id)
-        case Resume():
-            return (
-                FrameType.RESUME,
-                0,
-                _COUNT.pack(msg.transfer_id, len(msg.held)) + _ranges(msg.held),
-            )
-        case Data():
-            p = _DATA.pack(
-                msg.transfer_id,
-                msg.seq,
-                msg.offset,
-                msg.raw_length,
-                len(msg.data),
-                msg.codec,
-                msg.shuffle,
-                0,
-                msg.checksum,
-            )
-            return FrameType.DATA, 0, p
-        case Ack():
-            return (
-                FrameType.ACK,
-                0,
-                _COUNT.pack(msg.transfer_id, len(msg.ranges)) + _ranges(msg.ranges),
-            )
-        case Nack():
-            return FrameType.NACK, 0, _NACK.pack(msg.transfer_id, msg.offset, msg.length, msg.code)
-        case Abort():
-            return FrameType.ABORT, 0, _ABORT.pack(msg.transfer_id, msg.code) + _s(msg.reason)
-        case Complete():
-            return FrameType.COMPLETE, 0, _COMPLETE.pack(msg.transfer_id, msg.total_bytes)
-        case Control():
-            if not CONTROL_FIRST <= msg.type <= 0xFF:
-                raise RemoteProtocolError(f"control type {msg.type:#x} outside 0x40-0xFF")
-            return msg.type, msg.flags, bytes(msg.payload)
-    raise LocalProtocolError(f"not a kvbridge message: {msg!r}")
+    enc = _ENCODERS.get(type(msg))
+    if enc is None:
+        raise LocalProtocolError(f"not a kvbridge message: {msg!r}")
+    return enc(msg)
 
 
 # ---- decoding -----------------------------------------------------------------------------
@@ -469,6 +482,10 @@ class _Reader:
     def ranges(self, count: int) -> tuple[tuple[int, int], ...]:
         if count > MAX_RANGES or self.pos + count * _RANGE.size > len(self.buf):
             raise RemoteProtocolError(f"frame {self.ftype:#04x}: bad range count {count}")
+        if count == 1:  # an ACK's one range
+            o, n = _RANGE.unpack_from(self.buf, self.pos)
+            self.pos += _RANGE.size
+            return ((int(o), int(n)),)
         out = tuple(
             (int(o), int(n))
             for o, n in (
@@ -487,6 +504,107 @@ def _ints(vals: tuple[int | bytes, ...]) -> list[int]:
     return out
 
 
+def _d_hello(r: _Reader, payload: memoryview) -> Message:
+    mn, mx, auth, _, ch, mf, caps, nonce = r.take(_HELLO)
+    assert isinstance(nonce, bytes)
+    a, b, c, d, e, f = _ints((mn, mx, auth, ch, mf, caps))
+    ident = r.string()
+    return Hello(a, b, c, d, e, f, nonce, ident, bytes(payload[r.pos :]))
+
+
+def _d_hello_ack(r: _Reader, payload: memoryview) -> Message:
+    v, auth, _, ch, mf, caps, nonce, proof = r.take(_HELLO_ACK)
+    assert isinstance(nonce, bytes) and isinstance(proof, bytes)
+    a, b, c, d, e = _ints((v, auth, ch, mf, caps))
+    ident = r.string()
+    return HelloAck(a, b, c, d, e, nonce, proof, ident, bytes(payload[r.pos :]))
+
+
+def _d_auth(r: _Reader, payload: memoryview) -> Message:
+    if len(payload) < PROOF_SIZE:
+        raise RemoteProtocolError("AUTH payload is truncated")
+    return Auth(bytes(payload[:PROOF_SIZE]))
+
+
+def _d_ready(r: _Reader, payload: memoryview) -> Message:
+    return Ready()
+
+
+def _d_error(r: _Reader, payload: memoryview) -> Message:
+    (code,) = _ints(r.take(_ERROR))
+    return Error(code, r.string())
+
+
+def _d_ping(r: _Reader, payload: memoryview) -> Message:
+    (n,) = _ints(r.take(_PING))
+    return Ping(n)
+
+
+def _d_pong(r: _Reader, payload: memoryview) -> Message:
+    (n,) = _ints(r.take(_PING))
+    return Pong(n)
+
+
+def _d_open(r: _Reader, payload: memoryview) -> Message:
+    vals = r.take(_OPEN)
+    token = vals[1]
+    assert isinstance(token, bytes)
+    tid, lh, tot, cs, ts, te, ls, le, codecs, prio, _ = _ints(vals[:1] + vals[2:])
+    return Open(tid, token, lh, tot, cs, ts, te, ls, le, codecs, prio, r.string())
+
+
+def _d_resume(r: _Reader, payload: memoryview) -> Message:
+    tid, count = _ints(r.take(_COUNT))
+    return Resume(tid, r.ranges(count))
+
+
+def _d_data(r: _Reader, payload: memoryview) -> Message:
+    tid, seq, off, raw, wl, codec, shuf, _, ck = _ints(r.take(_DATA))
+    if wl > len(payload) - _DATA.size:
+        raise RemoteProtocolError(f"DATA wire length {wl} exceeds payload of {len(payload)} bytes")
+    data = payload[len(payload) - wl :]
+    return Data(tid, seq, off, raw, codec, shuf, ck, data)
+
+
+def _d_ack(r: _Reader, payload: memoryview) -> Message:
+    tid, count = _ints(r.take(_COUNT))
+    return Ack(tid, r.ranges(count))
+
+
+def _d_nack(r: _Reader, payload: memoryview) -> Message:
+    tid, off, n, code = _ints(r.take(_NACK))
+    return Nack(tid, off, n, code)
+
+
+def _d_abort(r: _Reader, payload: memoryview) -> Message:
+    tid, code = _ints(r.take(_ABORT))
+    return Abort(tid, code, r.string())
+
+
+def _d_complete(r: _Reader, payload: memoryview) -> Message:
+    tid, total = _ints(r.take(_COMPLETE))
+    return Complete(tid, total)
+
+
+# one decoder per core frame type, looked up by the plain int (no enum on the path)
+_DECODERS: dict[int, Callable[[_Reader, memoryview], Message]] = {
+    int(FrameType.HELLO): _d_hello,
+    int(FrameType.HELLO_ACK): _d_hello_ack,
+    int(FrameType.AUTH): _d_auth,
+    int(FrameType.READY): _d_ready,
+    int(FrameType.ERROR): _d_error,
+    int(FrameType.PING): _d_ping,
+    int(FrameType.PONG): _d_pong,
+    int(FrameType.OPEN): _d_open,
+    int(FrameType.RESUME): _d_resume,
+    int(FrameType.DATA): _d_data,
+    int(FrameType.ACK): _d_ack,
+    int(FrameType.NACK): _d_nack,
+    int(FrameType.ABORT): _d_abort,
+    int(FrameType.COMPLETE): _d_complete,
+}
+
+
 def decode_payload(ftype: int, flags: int, payload: memoryview) -> Message:
     """Decode one frame's payload.  Raises :class:`UnknownFrame` for a core type
     this version does not know and :class:`RemoteProtocolError` for a bad payload."""
@@ -494,58 +612,7 @@ def decode_payload(ftype: int, flags: int, payload: memoryview) -> Message:
         raise RemoteProtocolError(f"frame {ftype:#04x} sets unknown critical flags {flags:#06x}")
     if ftype >= CONTROL_FIRST:
         return Control(ftype, flags, bytes(payload))
-    r = _Reader(payload, ftype)
-    if ftype == FrameType.HELLO:
-        mn, mx, auth, _, ch, mf, caps, nonce = r.take(_HELLO)
-        assert isinstance(nonce, bytes)
-        a, b, c, d, e, f = _ints((mn, mx, auth, ch, mf, caps))
-        ident = r.string()
-        return Hello(a, b, c, d, e, f, nonce, ident, bytes(payload[r.pos :]))
-    if ftype == FrameType.HELLO_ACK:
-        v, auth, _, ch, mf, caps, nonce, proof = r.take(_HELLO_ACK)
-        assert isinstance(nonce, bytes) and isinstance(proof, bytes)
-        a, b, c, d, e = _ints((v, auth, ch, mf, caps))
-        ident = r.string()
-        return HelloAck(a, b, c, d, e, nonce, proof, ident, bytes(payload[r.pos :]))
-    if ftype == FrameType.AUTH:
-        if len(payload) < PROOF_SIZE:
-            raise RemoteProtocolError("AUTH payload is truncated")
-        return Auth(bytes(payload[:PROOF_SIZE]))
-    if ftype == FrameType.READY:
-        return Ready()
-    if ftype == FrameType.ERROR:
-        (code,) = _ints(r.take(_ERROR))
-        return Error(code, r.string())
-    if ftype in (FrameType.PING, FrameType.PONG):
-        (n,) = _ints(r.take(_PING))
-        return Ping(n) if ftype == FrameType.PING else Pong(n)
-    if ftype == FrameType.OPEN:
-        vals = r.take(_OPEN)
-        token = vals[1]
-        assert isinstance(token, bytes)
-        tid, lh, tot, cs, ts, te, ls, le, codecs, prio, _ = _ints(vals[:1] + vals[2:])
-        return Open(tid, token, lh, tot, cs, ts, te, ls, le, codecs, prio, r.string())
-    if ftype == FrameType.RESUME:
-        tid, count = _ints(r.take(_COUNT))
-        return Resume(tid, r.ranges(count))
-    if ftype == FrameType.DATA:
-        tid, seq, off, raw, wl, codec, shuf, _, ck = _ints(r.take(_DATA))
-        if wl > len(payload) - _DATA.size:
-            raise RemoteProtocolError(
-                f"DATA wire length {wl} exceeds payload of {len(payload)} bytes"
-            )
-        data = payload[len(payload) - wl :]
-        return Data(tid, seq, off, raw, codec, shuf, ck, data)
-    if ftype == FrameType.ACK:
-        tid, count = _ints(r.take(_COUNT))
-        return Ack(tid, r.ranges(count))
-    if ftype == FrameType.NACK:
-        tid, off, n, code = _ints(r.take(_NACK))
-        return Nack(tid, off, n, code)
-    if ftype == FrameType.ABORT:
-        tid, code = _ints(r.take(_ABORT))
-        return Abort(tid, code, r.string())
-    if ftype == FrameType.COMPLETE:
-        tid, total = _ints(r.take(_COMPLETE))
-        return Complete(tid, total)
-    raise UnknownFrame(f"unknown frame type {ftype:#04x}")
+    dec = _DECODERS.get(ftype)
+    if dec is None:
+        raise UnknownFrame(f"unknown frame type {ftype:#04x}")
+    return dec(_Reader(payload, ftype), payload)

@@ -6,8 +6,10 @@ their way on which connection and until when an acknowledgement may take
 (the ack timer), NACKs and the resend limit, ABORT and COMPLETE, the cancel
 of a transfer that was never opened, the deadline of the whole transfer, the
 reconnect deadline (counted from the moment the transfer last had no usable
-connection) and, for a layer-wise source, how long a chunk may wait for its
-bytes to become ready.
+connection), for a layer-wise source, how long a chunk may wait for its
+bytes to become ready, and how much may be sent before the receiver's first
+RESUME told what it holds (``early_bytes``: a transfer sent again, by a
+restarted sender say, repeats at most that much).
 
 It never touches a socket, a thread or an event loop: the driver
 (``kvbridge.transport.tcp.sender``) feeds it messages, connection events and
@@ -265,6 +267,11 @@ class TxTransfer(Generic[L]):
         self.ready_bytes = total if ready_bytes is None else min(ready_bytes, total)
         self._ready_since = now
         self._no_link_since: float | None = now  # no connection known yet
+        # before the first RESUME nothing is known of what the receiver
+        # holds: at most ``early_bytes`` of chunks go out (None: no limit)
+        self.resumed = False
+        self.early_bytes: int | None = None
+        self.early_sent = 0
         self.unopened_abort: tuple[int, str] | None = None  # owed: OPEN + ABORT
         # counters for the driver's statistics
         self.retries = 0  # chunks sent again (NACK, lost connection, ack timeout)
@@ -323,8 +330,12 @@ class TxTransfer(Generic[L]):
         return 0 if self.finished else len(self._pending)
 
     def has_pending(self) -> bool:
-        """A chunk is waiting to be sent and its bytes are ready."""
+        """A chunk is waiting to be sent, its bytes are ready, and it may go
+        now (before the first RESUME: within ``early_bytes``)."""
         if self.state is not TxState.SENDING or not self._pending:
+            return False
+        early = self.early_bytes
+        if not self.resumed and early is not None and self.early_sent >= early:
             return False
         return self._ready(self._lowest())
 
@@ -349,10 +360,15 @@ class TxTransfer(Generic[L]):
         return [(a, b - a) for a, b in missing]
 
     # ---- events ----------------------------------------------------------------------
-    def start(self, chunk_size: int, now: float) -> list[TxOutput[L]]:
-        """A connection is up: fix the chunk grid and queue every chunk."""
+    def start(
+        self, chunk_size: int, now: float, early_bytes: int | None = None
+    ) -> list[TxOutput[L]]:
+        """A connection is up: fix the chunk grid and queue every chunk.
+        ``early_bytes``: how many bytes of chunks may go out before the
+        first RESUME (None: no limit); the chunk that crosses it still goes."""
         if self.state is not TxState.NEW:
             return []
+        self.early_bytes = early_bytes
         self.grid = ChunkGrid(self.total, chunk_size)
         self._heap = list(range(self.grid.count))
         self._pending = set(self._heap)
@@ -369,6 +385,8 @@ class TxTransfer(Generic[L]):
     def claim(self, link: L, idx: int) -> None:
         """Chunk ``idx`` is being prepared for ``link``."""
         self.inflight[idx] = _Flight(link)
+        if not self.resumed and self.grid is not None:
+            self.early_sent += self.grid.span(idx)[1]
 
     def sent(self, link: L, idx: int, frames: int, now: float, nbytes: int = 0) -> None:
         """Chunk ``idx`` went out on ``link`` (``frames`` DATA frames of
@@ -437,6 +455,9 @@ class TxTransfer(Generic[L]):
             return []
         if isinstance(m, Resume):
             self._confirm(link, m.held, now, measure=False)
+            if not self.resumed:
+                self.resumed = True  # what is missing is known: the rest may go
+                return [Wake()] if self.has_pending() else []
             return []
         if isinstance(m, Nack):
             return self._on_nack(link, m)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ...errors import InvalidArgument
 from ...wire.chunk import encode_chunk
@@ -24,6 +24,7 @@ from ...wire.frames import ChunkCodec
 __all__ = ["CompressionDecision", "CompressionPolicy"]
 
 MODES = ("auto", "off", "lz4", "zstd")
+_CODEC_NAMES = {int(c): c.name.lower() for c in ChunkCodec}
 _ZSTD_BEST_BPS = 0.6e9  # optimistic zstd-1 speed per core before any measurement
 
 
@@ -38,8 +39,8 @@ class CompressionDecision:
     link_Bps: float | None = None
 
     def as_dict(self) -> dict[str, object]:
-        d = asdict(self)
-        d["codec"] = ChunkCodec(self.codec).name.lower()
+        d: dict[str, object] = dict(self.__dict__)  # flat fields: no deep copy (asdict is slow)
+        d["codec"] = _CODEC_NAMES.get(self.codec) or ChunkCodec(self.codec).name.lower()
         return d
 
 
@@ -71,9 +72,11 @@ class CompressionPolicy:
             m = self.measured_link_Bps
             self.measured_link_Bps = g if m is None else 0.7 * m + 0.3 * g
 
-    def decide(
-        self, sample: memoryview, itemsize: int, total_bytes: int, mode: str | None = None
-    ) -> CompressionDecision:
+    def without_trial(
+        self, itemsize: int, total_bytes: int, mode: str | None = None
+    ) -> CompressionDecision | None:
+        """The decision when it needs no trial of the data (configured, a
+        small transfer, an unknown or too fast link); None when it does."""
         mode = mode or self.mode
         shuffle = 2 if itemsize == 2 else 0
         if mode == "off":
@@ -92,6 +95,18 @@ class CompressionPolicy:
         if link > self.spare_cores * self.best_compress_Bps:
             d.reason = "link faster than the spare cores can compress"
             return d
+        return None
+
+    def decide(
+        self, sample: memoryview, itemsize: int, total_bytes: int, mode: str | None = None
+    ) -> CompressionDecision:
+        d0 = self.without_trial(itemsize, total_bytes, mode)
+        if d0 is not None:
+            return d0
+        shuffle = 2 if itemsize == 2 else 0
+        link = self.link_Bps or self.measured_link_Bps
+        assert link is not None
+        d = CompressionDecision(link_Bps=link)
         t0 = time.perf_counter()
         wz, _ = encode_chunk(sample, ChunkCodec.ZSTD, shuffle)
         tz = time.perf_counter() - t0

@@ -98,6 +98,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         self._held_for_writes = False
         self._last_rx = time.monotonic()
         self._last_tx = time.monotonic()
+        self._corked = 0  # nesting depth of cork()
+        self._out: list[bytes | memoryview] = []  # frames sent while corked
         self._keepalive: asyncio.Task[None] | None = None
         self._ping_ids = itertools.count(1)
         self.peername: object = None
@@ -114,10 +116,15 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_rx = time.monotonic()
+        self._corked += 1  # the replies to this read leave in one write
         try:
             self.decoder.buffer_updated(nbytes)
         except KVBridgeError as e:
             self.fail(e)
+        finally:
+            self._corked -= 1
+            if not self._corked and self._out:
+                self._write_held()
 
     def _on_decoded(self, m: Message) -> None:
         self.frames_in += 1
@@ -185,11 +192,31 @@ class FrameConnection(asyncio.BufferedProtocol):
                 raise LocalProtocolError(
                     f"frame of {n} bytes exceeds the peer's limit {self.peer.max_frame}"
                 )
-        if len(parts) == 1:
+        if self._corked:
+            self._out += parts
+        elif len(parts) == 1:
             self.transport.write(parts[0])
         else:
             self.transport.writelines(parts)
         self._last_tx = time.monotonic()
+
+    def cork(self) -> None:
+        """Hold the frames sent from now on until the matching :meth:`uncork`
+        (calls nest), then write them at once: one system call, and the peer
+        reads them together."""
+        self._corked += 1
+
+    def uncork(self) -> None:
+        self._corked -= 1
+        if not self._corked and self._out:
+            self._write_held()
+
+    def _write_held(self) -> None:
+        if not self._out:
+            return
+        out, self._out = self._out, []
+        if self.transport is not None and not self.closed:
+            self.transport.writelines(out)
 
     def send_control(self, type: int, payload: bytes, flags: int = 0) -> None:
         """Send a CONTROL frame (types 0x40-0xFF) with an opaque payload."""
@@ -291,6 +318,7 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self._write_held()  # held frames (an ERROR, say) go out before the close
             self.transport.close()  # graceful: flushes what is queued first
             if self.transport.get_write_buffer_size():
                 # a peer that does not read would hold a graceful close open
@@ -301,6 +329,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self._finish(self.close_error)
 
     def abort_transport(self) -> None:
+        self._out = []
         if self.transport is not None and not self.closed:
             self.transport.abort()
 
@@ -308,6 +337,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.closed = True
+        self._out = []
         self.close_error = self.close_error or err or PeerGone("connection closed")
         self._closed_event.set()
         self._can_write.set()

@@ -57,6 +57,11 @@ class Sink(Protocol):
 # hands over a buffer in which the source wrote every byte, so the transport
 # need not zero-fill one for ``read_into`` first (a whole memory pass per chunk).
 #
+# A source with ``read`` that fills a small buffer without blocking (a CPU
+# pack, not a wait for a device) may say so with ``read_on_loop = True``: the
+# sender then prepares its small chunks on the event loop, without a hop to a
+# worker thread (kvbridge.transport.tcp.prepare.inline_limit).
+#
 # A sink whose bytes are plain contiguous host memory may also offer
 #
 #     def view(self, offset: int, n: int) -> memoryview   (writable, exactly n bytes)
@@ -65,6 +70,43 @@ class Sink(Protocol):
 # with no copy.  Those bytes land before their checksum is verified: a damaged
 # chunk is asked for again and overwritten, and a cancelled transfer stops
 # writing there at once.  The engine reads nothing before completion anyway.
+#
+# Checksums in the copy.  A source may also offer
+#
+#     def read_checksummed(self, offset: int, n: int) -> tuple[memoryview, int]
+#
+# (a new buffer of the bytes, as ``read``, and their XXH3-64, computed in the
+# pass that wrote them), and a sink
+#
+#     def write_checksummed(self, offset: int, data: memoryview, checksum: int) -> None
+#
+# (store the bytes, verifying in the same pass that they hash to ``checksum``;
+# on a mismatch raise kvbridge.errors.ChecksumError).  The transport then
+# reads each raw chunk once on each side beyond the kernel's copies: the
+# sender does not hash the chunk again, the receiver does not hash it as it
+# arrives.  A damaged chunk has then reached the sink's memory before the
+# mismatch was found (as with a sink that lends its memory): it is asked
+# for again and its resend overwrites those bytes.
+#
+# A sink whose ``flush()`` is cheap and never blocks may say so with
+# ``flush_on_loop = True``: the receiver then calls it on the event loop, so
+# that COMPLETE leaves with the reply to the last chunk, without a hop to a
+# worker thread.  Without it, flush() runs in a worker thread.
+
+
+_SOURCE_ATTRS = ("nbytes", "itemsize", "layout_hash", "token_range", "layer_range", "read_into")
+_SINK_ATTRS = ("nbytes", "layout_hash", "token_range", "layer_range", "write", "flush")
+
+
+def is_source(obj: object) -> bool:
+    """``isinstance(obj, Source)`` without the protocol check's cost (tens
+    of microseconds on each call, on the path of every small transfer)."""
+    return all(hasattr(obj, a) for a in _SOURCE_ATTRS)
+
+
+def is_sink(obj: object) -> bool:
+    """``isinstance(obj, Sink)``, cheaply (see :func:`is_source`)."""
+    return all(hasattr(obj, a) for a in _SINK_ATTRS)
 
 
 def _check(offset: int, n: int, total: int) -> None:
@@ -105,6 +147,8 @@ class BytesSource:
 
 class BytesSink:
     """A sink that fills a preallocated bytearray (``.data``)."""
+
+    flush_on_loop = True  # flush() only records that it was called
 
     def __init__(
         self,
@@ -147,6 +191,8 @@ class _KVBase:
         end: int,
         layers: tuple[int, int] | None,
         heads: tuple[int, int] | None = None,
+        *,
+        num_threads: int = 1,
     ) -> None:
         from ... import pack as _pack  # the C++ core, loaded with the first KV source
 
@@ -155,12 +201,19 @@ class _KVBase:
         l0, l1 = layout.layer_range(layers)
         if not 0 <= start <= end:
             raise InvalidArgument(f"bad token range [{start}, {end})")
+        if num_threads < 0:
+            raise InvalidArgument(f"num_threads must be >= 0, got {num_threads}")
+        # threads of one pack or unpack call (0: the core's own choice); the
+        # transport already works on one chunk per worker thread, so one
+        # thread per chunk keeps the cores from being oversubscribed
+        self.num_threads = num_threads
         self.cache = cache
         self.block_table = block_table
         self.start, self.end = start, end
         self.layers = (l0, l1)
         self.heads = layout.check_heads(heads)  # LayoutError outside the cache's heads
-        # Checked once (block table converted once); each chunk checks only its slice.
+        # Checked once per transfer (block table converted once); each chunk
+        # checks only its slice.
         self.range = cache.range(
             block_table,
             start,
@@ -175,15 +228,44 @@ class _KVBase:
         self.layout_hash = layout.transfer_hash(self.heads)
         self.token_range = (start, end)
         self.layer_range = (l0, l1)
+        # the pack core computes (checks) XXH3-64 in the copy on the CPU path
+        self._one_pass = not getattr(cache, "is_cuda", False)
 
 
 class KVSource(_KVBase):
     """The wire bytes of tokens ``[start, end)``, ``layers`` and ``heads`` (the
     model's KV heads ``[h0, h1)`` inside the cache's; default all it holds) of
     one request, packed from a :class:`kvbridge.pack.PagedKVCache` through its
-    block table.  ``layout_hash`` is ``layout.transfer_hash(heads)``.
-    A CUDA cache packs into pinned host memory (the device-to-host copy is part
-    of the pack kernel's output), and waits for it."""
+    block table.  ``layout_hash`` is ``layout.transfer_hash(heads)``.  A CPU cache gives each raw chunk with its XXH3-64 from the pack's one
+    pass (``read_checksummed``).  A CUDA cache packs into pinned host memory
+    (the device-to-host copy is part of the pack kernel's output), and waits
+    for it."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        if self._one_pass:
+            self.read_checksummed = self._read_checksummed
+
+    @property
+    def read_on_loop(self) -> bool:
+        """A CPU pack of a small chunk may run on the event loop; a CUDA one
+        waits for its kernel and may not."""
+        return not getattr(self.cache, "is_cuda", False)
+
+    def _wait_ready(self, offset: int, n: int) -> None:
+        """Called before the bytes ``[offset, offset + n)`` are packed: a
+        subclass whose bytes become ready over time (layer-wise) waits here."""
+
+    def _read_checksummed(self, offset: int, n: int) -> tuple[memoryview, int]:
+        """A new buffer of the bytes ``[offset, offset + n)`` and their
+        XXH3-64, from the pack core's one pass."""
+        _check(offset, n, self.nbytes)
+        self._wait_ready(offset, n)
+        out = np.empty(n, dtype=np.uint8)
+        _, digest = self.range.pack(
+            out, offset=offset, nbytes=n, checksum=True, num_threads=self.num_threads
+        )
+        return out.data, int(digest)
 
     def read(self, offset: int, n: int) -> memoryview:
         """A new buffer of the bytes ``[offset, offset + n)``: the pack core
@@ -208,14 +290,36 @@ class KVSource(_KVBase):
         self._pack_to(np.frombuffer(out, dtype=np.uint8), offset, len(out))
 
     def _pack_to(self, out: Any, offset: int, n: int) -> None:
-        self.range.pack(out, offset=offset, nbytes=n)
+        self._wait_ready(offset, n)
+        self.range.pack(out, offset=offset, nbytes=n, num_threads=self.num_threads)
 
 
 class KVSink(_KVBase):
     """Unpacks verified chunks straight into the destination pages (of
     ``heads``, as for :class:`KVSource`: the OPEN's layout hash must name the
-    same head range).  A CUDA
-    cache unpacks from a pinned staging copy and waits for the kernel."""
+    same head range).  A CPU
+    cache checks a raw chunk's XXH3-64 in the pass that unpacks it
+    (``write_checksummed``).  A CUDA cache unpacks from a pinned staging
+    copy and waits for the kernel."""
+
+    flush_on_loop = True  # every write already waited for its kernel: flush() is a no-op
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        if self._one_pass:
+            self.write_checksummed = self._write_checksummed
+
+    def _write_checksummed(self, offset: int, data: memoryview, checksum: int) -> None:
+        """Unpack ``data`` at ``offset``, checking in the same pass that it
+        hashes to ``checksum`` (ChecksumError: the slice's pages then hold
+        unspecified bytes until the chunk's resend is unpacked there)."""
+        _check(offset, len(data), self.nbytes)
+        self.range.unpack(
+            np.frombuffer(data, dtype=np.uint8),
+            offset=offset,
+            expect_checksum=checksum,
+            num_threads=self.num_threads,
+        )
 
     def write(self, offset: int, data: memoryview) -> None:
         _check(offset, len(data), self.nbytes)
@@ -227,7 +331,7 @@ class KVSink(_KVBase):
             stage = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
             stage.numpy()[:] = src
             src = stage
-        self.range.unpack(src, offset=offset)
+        self.range.unpack(src, offset=offset, num_threads=self.num_threads)
         if cuda:
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
 

@@ -50,6 +50,7 @@ class Link:
         self.tids: dict[int, Any] = {}  # transfer id -> the transfer it names here
         self._ids = itertools.count(1)
         self.writer: asyncio.Task[None] | None = None
+        self.idle = False  # its writer waits for a chunk and prepares none
         # the replies on it tell which chunks were lost (wire.txtransfer.LinkClock)
         self.clock = LinkClock(asyncio.get_running_loop().time())
 

@@ -67,10 +67,10 @@ from .bufpool import BufferPool
 from .conn import FrameConnection, serve_handshake
 from .handles import ExpectHandle
 from .identity import certificate_names, check_mode
-from .kvio import Sink
+from .kvio import Sink, is_sink
 from .limits import ReceiverLimits
 from .peers import Peer, PeerTable
-from .writes import WriteQueue
+from .writes import WriteQueue, decode_and_write, verifies_in_copy
 
 log = logging.getLogger("kvbridge.transport")
 
@@ -98,6 +98,9 @@ class _ConnState:
         self.peer = peer
         self.ranged = ranged
         self.transfers: dict[int, _Rx] = {}
+        # ids in ``transfers`` whose transfer finished and lingers (not open:
+        # max_transfers_per_connection counts the others)
+        self.done: set[int] = set()
         self.unknown_tokens = 0
         self.stray = 0
 
@@ -219,7 +222,7 @@ class TcpReceiver:
         """Expect a transfer into ``sink``; returns the handle whose ``token`` the
         sender must present.  ``timeout`` bounds the whole transfer (None:
         ``DEFAULT_TRANSFER_TIMEOUT``, 60 s)."""
-        if not isinstance(sink, Sink):
+        if not is_sink(sink):
             raise InvalidArgument("sink must provide nbytes, layout_hash, ranges, write and flush")
         seconds = transfer_timeout(timeout)
         token = os.urandom(TOKEN_SIZE)
@@ -303,6 +306,7 @@ class TcpReceiver:
             return
         conn.decoder.allocate = self._bufpool.get
         conn.decoder.place = lambda head: self._place(conn, head)
+        conn.decoder.hash_unplaced = lambda head: self._hash_unplaced(conn, head)
         task = asyncio.get_running_loop().create_task(self._handshake(conn))
         self._handshakes.add(task)
         task.add_done_callback(self._handshakes.discard)
@@ -398,14 +402,23 @@ class TcpReceiver:
             if st.unknown_tokens > self.limits.max_unknown_tokens:
                 raise AuthenticationError("too many transfer tokens that were never issued")
             return
-        if len(st.transfers) >= self.limits.max_transfers_per_connection:
+        if len(st.transfers) - len(st.done) >= self.limits.max_transfers_per_connection:
             conn.send(Abort(m.transfer_id, ErrorCode.RESOURCE_LIMIT, "too many open transfers"))
             return
         outs = t.on_open(conn, m, st.ranged, self._now())
         att = t.attached.get(conn)
         if att is not None and att.transfer_id == m.transfer_id:
             st.transfers[m.transfer_id] = t
+            if t.finished:  # a late OPEN: it learns the outcome and lingers here too
+                st.done.add(m.transfer_id)
         self._apply(t, outs)
+
+    def _hash_unplaced(self, conn: FrameConnection, h: DataHead) -> bool:
+        """Hash a frame's bytes as they arrive, unless its sink checks them
+        in the pass that writes them (``write_checksummed``)."""
+        st = self._conns.get(conn)
+        t = st.transfers.get(h.transfer_id) if st is not None else None
+        return t is None or not verifies_in_copy(t.sink, h.codec, h.shuffle)
 
     def _place(self, conn: FrameConnection, h: DataHead) -> memoryview | None:
         """Where the bytes of an incoming DATA frame should land: straight in
@@ -444,9 +457,13 @@ class TcpReceiver:
             elif isinstance(o, Write):
                 self._queue_write(t, o, peer)
             elif isinstance(o, Flush):
-                self._spawn(self._flush(t))
+                if getattr(t.sink, "flush_on_loop", False):
+                    self._flush_now(t)  # cheap and never blocks: no thread hop
+                else:
+                    self._spawn(self._flush(t))
             elif isinstance(o, Resolve):
                 t.handle._resolve(o.error)
+                self._lingers(t)
             elif isinstance(o, StopPlacing):
                 o.conn.decoder.discard_current()
             elif isinstance(o, Forget):
@@ -483,35 +500,68 @@ class TcpReceiver:
             st = self._conns.get(c)
             if st is not None and st.transfers.get(att.transfer_id) is t:
                 del st.transfers[att.transfer_id]
+                st.done.discard(att.transfer_id)
         t.attached.clear()
+
+    def _lingers(self, t: _Rx) -> None:
+        """``t`` finished: on each of its connections it lingers, no longer open."""
+        for c, att in t.attached.items():
+            st = self._conns.get(c)
+            if st is not None and st.transfers.get(att.transfer_id) is t:
+                st.done.add(att.transfer_id)
 
     def _queue_write(self, t: _Rx, w: Write, peer: Peer | None) -> None:
         size = HEADER_SIZE + DATA_HEADER_SIZE + w.data.wire_length
         if peer is not None:
             self._peers.charge(peer, size)
 
+        def done(error: BaseException | None) -> None:
+            if error is not None:
+                outs = t.write_failed(w.job, error, self._now())
+            else:
+                outs = t.written(w.job, self._now())
+            if peer is not None:
+                self._peers.refund(peer, size)
+            data = w.data.data
+            if isinstance(data, memoryview) and not w.data.placed:
+                self._bufpool.put(data.obj)
+            self._apply(t, outs)
+
+        if self._writes.inline(w.data):  # now, on the loop: no task, no thread
+            try:
+                decode_and_write(t.sink, w.data, w.pieces)
+            except Exception as e:
+                done(e)
+            else:
+                done(None)
+            return
+
         async def job() -> None:
             try:
                 await self._writes.write(t.sink, w.data, w.pieces)
             except Exception as e:
-                outs = t.write_failed(w.job, e, self._now())
+                done(e)
             else:
-                outs = t.written(w.job, self._now())
-            finally:
-                if peer is not None:
-                    self._peers.refund(peer, size)
-                data = w.data.data
-                if isinstance(data, memoryview) and not w.data.placed:
-                    self._bufpool.put(data.obj)
-            self._apply(t, outs)
+                done(None)
 
         self._writes.push(t.priority, t.total - t.received_bytes, job)
+
+    def _flush_now(self, t: _Rx) -> None:
+        try:
+            t.sink.flush()
+        except Exception as e:
+            self._flush_failed(t, e)
+            return
+        self._apply(t, t.flushed(self._now()))
 
     async def _flush(self, t: _Rx) -> None:
         try:
             await asyncio.get_running_loop().run_in_executor(self._pool, t.sink.flush)
         except Exception as e:
-            err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"sink flush failed: {e!r}")
-            self._apply(t, t.flush_failed(err, self._now()))
+            self._flush_failed(t, e)
             return
         self._apply(t, t.flushed(self._now()))
+
+    def _flush_failed(self, t: _Rx, e: BaseException) -> None:
+        err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"sink flush failed: {e!r}")
+        self._apply(t, t.flush_failed(err, self._now()))

@@ -43,7 +43,8 @@ class ChunkScheduler:
 
     def add(self, item: Schedulable) -> None:
         self._items.append(item)
-        self.wake()
+        if item.has_pending():
+            self.wake()
 
     def remove(self, item: Schedulable) -> None:
         if item in self._items:
@@ -55,6 +56,11 @@ class ChunkScheduler:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def idle(self) -> bool:
+        """No chunk of any transfer waits to be sent: a new transfer's chunk
+        would be picked first, whatever the policy."""
+        return not any(t.has_pending() for t in self._items)
 
     def pick(self) -> tuple[Schedulable, int] | None:
         ready = [t for t in self._items if t.has_pending()]

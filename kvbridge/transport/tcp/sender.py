@@ -15,6 +15,12 @@ prepared while chunk k drains from the socket buffer), and writes it.  A
 layer-wise transfer whose next layer is not ready offers no chunk, so it
 waits on the event loop and holds no thread, and the other transfers' chunks
 go first.  Completion is reported only on the receiver's COMPLETE.
+
+A small transfer started while nothing else waits to be sent takes a short
+way: :meth:`TcpSender.send` itself prepares its chunks on the event loop and
+writes each with its OPEN, in one write, on a connection whose writer is
+idle (the scheduler would have picked it first anyway): no task, no worker
+thread, no wake-up of a writer.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ from ..handle import SendStats, transfer_timeout
 from .compress import CompressionDecision, CompressionPolicy
 from .conn import FrameConnection
 from .handles import SendHandle
-from .kvio import Source
+from .kvio import Source, is_source
 from .links import Link, LinkPool
 from .prepare import Encoded, Preparer
 from .scheduler import ChunkScheduler
@@ -193,6 +199,7 @@ class TcpSender:
             busy=lambda: bool(self._active),
         )
         self._active: set[_Tx] = set()
+        self._rr = 0  # where _send_inline starts looking for an idle connection
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._control: dict[int, Callable[[FrameConnection, int, bytes], None]] = {}
@@ -262,7 +269,7 @@ class TcpSender:
         transfer ``token``.  ``priority`` (0-255, higher first) beats the
         shortest-remaining-first order; ``timeout`` bounds the whole transfer
         (None: ``DEFAULT_TRANSFER_TIMEOUT``, 60 s)."""
-        if not isinstance(source, Source):
+        if not is_source(source):
             raise InvalidArgument(
                 "source must provide nbytes, itemsize, layout_hash, ranges, read_into"
             )
@@ -313,12 +320,16 @@ class TcpSender:
             source.on_ready(lambda: loop.call_soon_threadsafe(self._ready_changed, t))  # type: ignore[attr-defined]
         t.links_changed(len(self._links.live), now)
         self._active.add(t)
-        self._arm(t)
-        task = loop.create_task(self._start(t))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
         if self._links.connected:
+            # no task: connected already.  Not from this call either: a
+            # cancel right after send() still stops it before anything went out
+            loop.call_soon(self._begin_soon, t)
             self._links.ensure()
+        else:
+            self._arm(t)  # its deadline runs while it waits for a connection
+            task = loop.create_task(self._start(t))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return handle
 
     async def _start(self, t: _Tx) -> None:
@@ -327,18 +338,74 @@ class TcpSender:
         except KVBridgeError as e:
             self._apply(t, t.fail(e))
             return
-        if t.finished:
+        self._begin_soon(t)
+
+    def _begin_soon(self, t: _Tx) -> None:
+        if t.finished:  # cancelled (or failed) before it began
             if t.unopened_abort is not None:
                 self._abort_unopened(t)
             return
+        self._begin_transfer(t)  # arms its timer
+
+    def _begin_transfer(self, t: _Tx) -> None:
+        """Connected: fix the chunk grid, send what can go at once, queue the rest."""
         # a receiver may accept smaller frames than our chunk size
         chunk = min(self._fit_chunk(), self._links.peer_max_frame - DATA_OVERHEAD)
         t.stats.chunk_size = chunk
-        self._apply(t, t.start(chunk, self._now()))
+        # its Wake: scheduler.add below wakes the writers
+        t.start(chunk, self._now(), early_bytes=self._early_bytes(chunk))
+        self._send_inline(t)
         # OPEN at once on one connection: the receiver checks the token now,
         # and a cancel reaches it even before the first chunk is ready
         self._kick(t)
-        self.scheduler.add(t)
+        if not t.finished:
+            self.scheduler.add(t)
+        self._arm(t)
+
+    def _send_inline(self, t: _Tx) -> None:
+        """Send chunks of a new transfer from this call, each with its OPEN in
+        one write, on connections whose writer is idle, when nothing else
+        waits to be sent and the chunks are prepared on the loop (raw, small,
+        from a source that gives them without blocking)."""
+        first = [(0, min(t.chunk_size, t.total))]  # no chunk is larger
+        if not self.scheduler.idle() or not self._prep.inline(t, first, self._links.peer_caps):
+            return
+        live = self._links.live
+        self._rr += 1  # successive small transfers start on successive connections
+        for i in range(len(live)):
+            link = live[(self._rr + i) % len(live)]
+            if not t.has_pending():
+                return
+            if not link.idle or link.conn.write_buffer_size:
+                continue
+            idx = t.pop_pending()
+            pieces = t.pieces(idx, link.ranged)
+            if not pieces:
+                continue
+            t.claim(link, idx)
+            try:
+                bodies = self._prep.encode(t, pieces)
+            except Exception as e:
+                self._source_failed(t, e)
+                return
+            if not self._write(link, t, idx, bodies):
+                self._apply(t, t.unclaim(link, idx))
+
+    def _early_bytes(self, chunk: int) -> int:
+        """What a new transfer may send before the receiver's first RESUME
+        (which says what it holds already): one chunk per connection (each
+        leaves with its OPEN, in one write), or more when the connections
+        carry more in one round trip (their measured rates times the
+        measured ACK delay), so that a fresh transfer never waits for RESUME
+        while a link could be busy.  A transfer sent again (a restarted
+        sender, a repeated ticket) repeats at most that much; the receiver
+        drops the bytes it holds."""
+        live = self._links.live
+        bdp = 0.0
+        srtt = self._clock.srtt
+        if srtt is not None:
+            bdp = sum((lk.clock.rate or 0.0) * srtt for lk in live)
+        return max(chunk * max(1, len(live)), int(bdp))
 
     def _fit_chunk(self) -> int:
         """The chunk size for a new transfer.  Fixed when one was configured;
@@ -475,14 +542,54 @@ class TcpSender:
 
     # ---- writing -------------------------------------------------------------------------
     def _begin(self, link: Link, t: _Tx, idx: int) -> _Job | None:
-        """Claim chunk ``idx`` for ``link`` and start preparing it."""
+        """Claim chunk ``idx`` for ``link`` and start preparing it (at once,
+        on the loop, when that is cheaper than a worker thread)."""
         pieces = t.pieces(idx, link.ranged)
         if not pieces:
             return None
         t.claim(link, idx)
-        fut = asyncio.ensure_future(self._prep.prepare(t, pieces, self._links.peer_caps))
+        caps = self._links.peer_caps
+        fut: asyncio.Future[list[Encoded]]
+        if self._prep.inline(t, pieces, caps):
+            fut = asyncio.get_running_loop().create_future()
+            try:
+                fut.set_result(self._prep.encode(t, pieces))
+            except Exception as e:
+                fut.set_exception(e)
+        else:
+            fut = asyncio.ensure_future(self._prep.prepare(t, pieces, caps))
         fut.add_done_callback(_retrieve)
         return t, idx, fut
+
+    def _source_failed(self, t: _Tx, e: BaseException) -> None:
+        err = e if isinstance(e, KVBridgeError) else KVBridgeError(f"source failed: {e!r}")
+        self._apply(t, t.cancel(err, ErrorCode.SOURCE_ERROR))
+
+    def _write(self, link: Link, t: _Tx, idx: int, bodies: list[Encoded]) -> bool:
+        """Write chunk ``idx``'s DATA frames on ``link`` (with the transfer's
+        OPEN first, in the same write, if it is not open there yet).  False
+        when the connection refused them (the caller gives the chunk back)."""
+        conn = link.conn
+        d = t.decision
+        assert d is not None
+        conn.cork()
+        try:
+            tid = self._open_on(link, t)
+            for off, raw_n, wire, ck in bodies:
+                conn.send(
+                    Data(tid, idx, off, raw_n, d.codec, d.shuffle, ck, wire,
+                         head_check=link.ranged)
+                )  # fmt: skip
+        except KVBridgeError:
+            return False
+        finally:
+            conn.uncork()
+        t.sent(link, idx, len(bodies), self._now(), sum(b[1] for b in bodies))
+        st = t.stats
+        st.wire_bytes += sum(len(b[2]) for b in bodies)
+        t.links_used.add(id(link))
+        st.streams = len(t.links_used)
+        return True
 
     def _plenty_left(self) -> bool:
         n = len(self._links.links)
@@ -506,7 +613,11 @@ class TcpSender:
         try:
             while not conn.closed:
                 if ahead is None:
-                    got, idx = await self.scheduler.next()
+                    link.idle = True
+                    try:
+                        got, idx = await self.scheduler.next()
+                    finally:
+                        link.idle = False
                     assert isinstance(got, _Tx)
                     ahead = self._begin(link, got, idx)
                     if ahead is None:
@@ -518,35 +629,13 @@ class TcpSender:
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
-                    err = (
-                        e
-                        if isinstance(e, KVBridgeError)
-                        else KVBridgeError(f"source failed: {e!r}")
-                    )
-                    self._apply(t, t.cancel(err, ErrorCode.SOURCE_ERROR))
+                    self._source_failed(t, e)
                     continue
                 if not t.owns(link, idx):
                     continue  # finished, confirmed meanwhile, or sent again elsewhere
-                if conn.closed:
+                if conn.closed or not self._write(link, t, idx, bodies):
                     self._unclaim(link, job)
                     return
-                d = t.decision
-                assert d is not None
-                try:
-                    tid = self._open_on(link, t)
-                    for off, raw_n, wire, ck in bodies:
-                        conn.send(
-                            Data(tid, idx, off, raw_n, d.codec, d.shuffle, ck, wire,
-                                 head_check=link.ranged)
-                        )  # fmt: skip
-                except KVBridgeError:
-                    self._unclaim(link, job)
-                    return
-                t.sent(link, idx, len(bodies), self._now(), sum(b[1] for b in bodies))
-                st = t.stats
-                st.wire_bytes += sum(len(b[2]) for b in bodies)
-                t.links_used.add(id(link))
-                st.streams = len(t.links_used)
                 self._arm(t)
                 # the next chunk, unless the work is nearly done: then the last
                 # chunks go to whichever connection frees up first (no tail
