@@ -639,15 +639,27 @@ async def _run_demo(
     by_seed = {sd: {t.index: t for ss_ in ss for t in ss_.turns} for sd, ss in seeds.items()}
     todo = [(rec, key) for key, recs in records.items() for rec in recs if rec.check == "verify"]
     if todo:
+        # the same turn decoded to the same tokens by several pipelines is
+        # teacher-forced once (the check depends only on prompt, sampling and output)
         items = []
+        first: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        same: list[int] = []  # per todo entry: the request id whose check it shares
         for rec, key in todo:
-            t = by_seed[int(key.rsplit("seed", 1)[1])][rec.request_id % 100000]
-            items.append((rec.request_id, t.prompt, t.params, rec.tokens))
+            sd = int(key.rsplit("seed", 1)[1])
+            t = by_seed[sd][rec.request_id % 100000]
+            turn = (sd, rec.request_id % 100000, tuple(rec.tokens))
+            if turn not in first:
+                first[turn] = rec.request_id
+                items.append((rec.request_id, t.prompt, t.params, rec.tokens))
+            same.append(first[turn])
         t_verify = time.monotonic()
         deficits = verify_streams(cfg, items)
-        log(f"{len(items)} streams teacher-forced in {time.monotonic() - t_verify:.0f} s")
-        for rec, _ in todo:
-            d = deficits[rec.request_id]
+        log(
+            f"{len(todo)} streams ({len(items)} distinct) teacher-forced in "
+            f"{time.monotonic() - t_verify:.0f} s"
+        )
+        for (rec, _), rid in zip(todo, same, strict=True):
+            d = deficits[rid]
             rec.detail.setdefault("check", {})["deficit"] = d
             rec.check = "near-tie" if d <= cfg_tie(cfg) else "WRONG"
         summaries = [_resummarize(cfg, s, records) for s in summaries]
