@@ -66,6 +66,27 @@ def _rows(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def goodput_argv(
+    target: str, mib: int, streams: int, repeats: int, comp: str, data: str, chunk_kib: int
+) -> list[str]:
+    """The sending side's ``kvbridge-bench transfer`` command line for one row
+    (after the interpreter): goodput only, against the ``serve`` at ``target``."""
+    return [
+        "-m", "kvbridge.cli.transfer", "--connect", target,
+        "--skip", "latency", "--skip", "compression", "--skip", "mooncake",
+        "--loads", "idle", "--bytes-mib", str(mib),
+        "--streams", str(streams), "--repeats", str(repeats),
+        "--compression", comp, "--data", data, "--json", "--no-progress",
+        *(["--chunk-kib", str(chunk_kib)] if chunk_kib else []),
+    ]  # fmt: skip
+
+
+def goodput_of(stdout: str) -> dict[str, Any]:
+    """The goodput result in that command's JSON output."""
+    g: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])["idle"]["goodput"]
+    return g
+
+
 def measure_point(
     rate_bps: float,
     rtt_ms: float,
@@ -92,16 +113,11 @@ def measure_point(
             info = json.loads(srv.stdout.readline())
             target = f"{host}:{info['port']}:{info['raw_port']}"
             for streams, chunk_kib, comp, data in rows:
+                argv = goodput_argv(target, mib, streams, repeats, comp, data, chunk_kib)
                 res = emu.run(
-                    "a",
-                    [py, "-m", "kvbridge.cli.transfer", "--connect", target,
-                     "--skip", "latency", "--skip", "compression", "--bytes-mib", str(mib),
-                     "--streams", str(streams), "--repeats", str(repeats),
-                     "--compression", comp, "--data", data, "--json", "--no-progress",
-                     *(["--chunk-kib", str(chunk_kib)] if chunk_kib else [])],
-                    timeout=300, capture_output=True, text=True, check=True,
-                )  # fmt: skip
-                g = json.loads(res.stdout.strip().splitlines()[-1])["goodput"]
+                    "a", [py, *argv], timeout=300, capture_output=True, text=True, check=True
+                )
+                g = goodput_of(res.stdout)
                 out.append(
                     {
                         "streams": streams,
