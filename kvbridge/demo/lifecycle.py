@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -32,6 +33,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "PARENT_ENV",
@@ -120,8 +123,12 @@ def cancel_on_signal(
         try:
             loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            # Only the main thread of the main interpreter may handle signals (a
+            # driver run from a test's worker thread, say): there the caller's
+            # own cancellation is the only way in, and the roles' parent-death
+            # signal still stops them; said once, not silently skipped.
+            log.debug("signal %s not handled by the demo driver here: %s", sig, e)
     try:
         yield got
     finally:
