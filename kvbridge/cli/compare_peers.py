@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,25 @@ class _Side:
         mv = self.buf
         for o, n in zip(self.off.tolist(), self.length.tolist(), strict=True):
             mv[o : o + n] = 0
+
+
+def _serve_sender(conn: Any, side: _Side, one: Callable[[], None]) -> None:
+    """A blocking sender's command loop: say ready, then time ``one()`` (one
+    whole transfer) ``n`` times per ``run``, report its digest, until ``quit``."""
+    conn.send(("ready",))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "quit":
+            break
+        if cmd[0] == "digest":
+            conn.send(("digest", side.digest()))
+        elif cmd[0] == "run":
+            times = []
+            for _ in range(cmd[1]):
+                t = time.perf_counter()
+                one()
+                times.append(time.perf_counter() - t)
+            conn.send(("times", times))
 
 
 def _deadline_passed(t0: float, what: str) -> None:
@@ -330,24 +350,16 @@ def _nixl_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
     )
     rem = agent.get_xfer_descs(np.stack([doff + dst_base, side.length, zeros], 1), "DRAM")
     handle = agent.initialize_xfer("WRITE", local, rem, remote, b"kvb")
-    conn.send(("ready",))
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "quit":
-            break
-        if cmd[0] == "digest":
-            conn.send(("digest", side.digest()))
-        elif cmd[0] == "run":
-            times = []
-            for _ in range(cmd[1]):
-                t = time.perf_counter()
-                state = agent.transfer(handle)
-                while state == "PROC" and time.perf_counter() - t < BURST_DEADLINE:
-                    state = agent.check_xfer_state(handle)
-                if state != "DONE":
-                    raise KVBridgeError(f"NIXL transfer state {state}")
-                times.append(time.perf_counter() - t)
-            conn.send(("times", times))
+
+    def one() -> None:
+        t = time.perf_counter()
+        state = agent.transfer(handle)
+        while state == "PROC" and time.perf_counter() - t < BURST_DEADLINE:
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            raise KVBridgeError(f"NIXL transfer state {state}")
+
+    _serve_sender(conn, side, one)
     agent.release_xfer_handle(handle)
 
 
@@ -393,23 +405,14 @@ def _mooncake_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
     src = (side.off + side.buf.ctypes.data).tolist()
     dst = (doff + dst_base).tolist()
     lens = side.length.tolist()
-    conn.send(("ready",))
-    while True:
-        cmd = conn.recv()
-        if cmd[0] == "quit":
-            break
-        if cmd[0] == "digest":
-            conn.send(("digest", side.digest()))
-        elif cmd[0] == "run":
-            times = []
-            for _ in range(cmd[1]):
-                t = time.perf_counter()
-                for i in range(0, len(lens), MOONCAKE_BATCH):
-                    j = i + MOONCAKE_BATCH
-                    if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
-                        raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
-                times.append(time.perf_counter() - t)
-            conn.send(("times", times))
+
+    def one() -> None:
+        for i in range(0, len(lens), MOONCAKE_BATCH):
+            j = i + MOONCAKE_BATCH
+            if te.batch_transfer_sync_write(target, src[i:j], dst[i:j], lens[i:j]) != 0:
+                raise KVBridgeError("Mooncake batch_transfer_sync_write failed")
+
+    _serve_sender(conn, side, one)
 
 
 _SIDES = {
