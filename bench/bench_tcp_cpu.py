@@ -19,7 +19,10 @@ the variants are
 * ``kvbridge``: as shipped (the sender writes the cache's pages themselves
   and hashes them; the receiver checks and scatters each chunk in one pass);
 * ``packed``: the sender packs each chunk with its checksum in the pack's
-  copy instead (``KVSource(..., zero_copy=False)``).
+  copy instead (``KVSource(..., zero_copy=False)``);
+* ``rx-2pass``: the receiver hashes each chunk as it arrives (256 KiB
+  pieces, in cache) and then unpacks it without a check (its sink without
+  ``write_checksummed``).
 
     python bench/bench_tcp_cpu.py [--mib 256] [--streams 4] [--rounds 8] [--variants ...]
     python bench/bench_tcp_cpu.py --scenario pages [--rounds 8]
@@ -41,7 +44,7 @@ import types
 from typing import Any
 
 VARIANTS = ("kvbridge", "no-tx-hash", "no-rx-hash", "no-hash")
-PAGE_VARIANTS = ("kvbridge", "packed")
+PAGE_VARIANTS = ("kvbridge", "packed", "rx-2pass")
 MODE = 0x90  # a CONTROL frame that sets the receiver's variant
 
 
@@ -130,7 +133,10 @@ def _server(q: Any, scenario: str = "bulk") -> None:
 
             def on_expect(conn: Any, typ: int, payload: bytes) -> None:
                 rid = payload[8:].decode()
-                h = rx.expect(rid, _ends(scen, dst, scen.dst_bt, True), timeout=600)
+                sink = _ends(scen, dst, scen.dst_bt, True)
+                if rid.endswith("-rx-2pass"):
+                    del sink.write_checksummed
+                h = rx.expect(rid, sink, timeout=600)
                 conn.send_control(bm.EXPECT_TOKEN, h.token + payload[8:])
 
             rx.on_control(bm.EXPECT_REQ, on_expect)
