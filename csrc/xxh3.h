@@ -14,6 +14,9 @@ class Xxh3Stream {
  public:
   Xxh3Stream();
   void update(const void* data, size_t n);
+  // update() with the n bytes of `src`, also copied to `dst` (not overlapping
+  // `src`) in the same pass.
+  void update_copy(void* dst, const void* src, size_t n);
   uint64_t digest() const;
 
  private:

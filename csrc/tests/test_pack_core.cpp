@@ -777,6 +777,17 @@ void test_xxh3_kernels() {
         done += step;
       }
       CHECK(s.digest() == want[i], "kernel set %d streamed, %zu bytes", which, n);
+      // The same bytes hashed while copied, in other pieces: same digest, same copy.
+      std::vector<uint8_t> copy(n + 1, 0xEE);
+      kvb::Xxh3Stream c;
+      for (done = 0; done < n;) {
+        const size_t step = std::min<size_t>(n - done, 1 + rng() % 5000);
+        c.update_copy(copy.data() + done, p + done, step);
+        done += step;
+      }
+      CHECK(c.digest() == want[i], "kernel set %d copied, %zu bytes", which, n);
+      CHECK(std::equal(p, p + n, copy.begin()) && copy[n] == 0xEE, "kernel set %d copy, %zu bytes",
+            which, n);
     }
   }
   kvb::xxh3_select_kernels(0);
