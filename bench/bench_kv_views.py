@@ -4,8 +4,9 @@ the runs (what the transport does for a source that lends its pages)
 against the pack core's pack with its checksum in the copy into one reused
 4 MiB buffer (what it does otherwise), one thread, CPU seconds per GB
 (thread time), interleaved rounds; ``kvio.MIN_VIEW_RUN`` is where the two
-meet.  The kernel's copy from the runs or from the packed buffer is not
-part of it.
+meet.  The last row has 64 KiB pages in block-table order (the anchors'
+pages at the sender: a 4 MiB chunk is one run).  The kernel's copy from the
+runs or from the packed buffer is not part of it.
 
     python bench/bench_kv_views.py [--rounds 5] [--mib 64]
 
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 CHUNK = 4 << 20
-RUNS_KIB = (4, 8, 16, 32, 64)
+RUNS_KIB = (4, 8, 16, 32, 64, -64)  # negative: those pages in order
 
 
 def _source(run_kib: int, mib: int) -> Any:
@@ -32,11 +33,13 @@ def _source(run_kib: int, mib: int) -> Any:
     from kvbridge.layout import KVLayout
     from kvbridge.transport.tcp import kvio
 
+    ordered, run_kib = run_kib < 0, abs(run_kib)
     heads = run_kib * 1024 // (16 * 128 * 2)  # 16-token pages of fp16 heads of 128
     lay = KVLayout(num_layers=1, num_kv_heads=heads, head_dim=128, dtype="fp16", page_tokens=16)
     npages = (mib << 20) // (run_kib * 1024 * 2)
     cache = pack.PagedKVCache.allocate(lay, npages, fill="random", seed=1)
-    bt = np.random.default_rng(0).permutation(npages).astype(np.int32)
+    bt = np.arange(npages) if ordered else np.random.default_rng(0).permutation(npages)
+    bt = bt.astype(np.int32)
     saved, kvio.MIN_VIEW_RUN = kvio.MIN_VIEW_RUN, 1  # lend runs of any length here
     try:
         return kvio.KVSource(cache, bt, 0, npages * 16, None)
@@ -93,8 +96,10 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     lines = ["# one thread, 4 MiB chunks of shuffled pages; CPU seconds per GB (thread time)"]
     for r in rows:
         med, lo, hi = r["ratio"]
+        kib = r["run_kib"]
+        what = f"runs {kib:3d} KiB" if kib > 0 else f"{-kib} KiB pages in order"
         lines.append(
-            f"runs {r['run_kib']:3d} KiB  views + xxh3 {r['views_s_per_GB']:.3f} s/GB  "
+            f"{what:<22} views + xxh3 {r['views_s_per_GB']:.3f} s/GB  "
             f"pack + checksum {r['pack_s_per_GB']:.3f} s/GB  views / pack {med:.2f}x "
             f"({lo:.2f}-{hi:.2f})  checksums equal: {r['same']}"
         )
