@@ -160,6 +160,7 @@ def measure(
     rounds: int = 8,
     variants: tuple[str, ...] = VARIANTS,
     scenario: str = "bulk",
+    chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """Every variant and raw, round by round; per row the goodput (median),
     the ratio to raw (median and range of the rounds) and the CPU seconds
@@ -187,7 +188,8 @@ def measure(
 
     async def main() -> dict[str, Any]:
         data = memoryview(src_buf.data) if pages else memoryview(os.urandom(nbytes))
-        tx = await TcpSender("127.0.0.1", port, streams=streams, compression="off").connect()
+        tx = TcpSender("127.0.0.1", port, streams=streams, compression="off", chunk_size=chunk_size)
+        await tx.connect()
         broker = bm._TokenBroker(tx)
         acks: asyncio.Queue[bytes] = asyncio.Queue()
         tx.on_control(MODE + 1, lambda c, t, p: acks.put_nowait(p))
@@ -297,7 +299,10 @@ if __name__ == "__main__":
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--variants", default=None, help="default: every variant of the scenario")
     p.add_argument("--scenario", choices=("bulk", "pages"), default="bulk")
+    p.add_argument("--chunk-kib", type=int, default=None, help="default: fitted (4 MiB here)")
     a = p.parse_args()
     names = a.variants or ",".join(PAGE_VARIANTS if a.scenario == "pages" else VARIANTS)
     print(f"# python bench/bench_tcp_cpu.py {' '.join(sys.argv[1:])}")
-    print(format_rows(measure(a.mib, a.streams, a.rounds, tuple(names.split(",")), a.scenario)))
+    chunk = None if a.chunk_kib is None else a.chunk_kib << 10
+    variants = tuple(names.split(","))
+    print(format_rows(measure(a.mib, a.streams, a.rounds, variants, a.scenario, chunk)))
