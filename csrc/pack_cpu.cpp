@@ -159,11 +159,75 @@ inline void move_heads(uint8_t* wire, uint8_t* tok, const Geometry& g, int64_t s
   }
 }
 
+#ifdef KVB_HAVE_SSE2
+// An 8 x 8 tile of 2-byte elements, transposed: row r of `src` (8 elements at
+// src + r * src_stride) becomes column r of `dst` (rows dst_stride apart).
+inline void transpose8x8_u16(uint8_t* dst, int64_t dst_stride, const uint8_t* src,
+                             int64_t src_stride) {
+  __m128i a[8], t[8];
+  for (int r = 0; r < 8; ++r) {
+    a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * src_stride));
+  }
+  for (int r = 0; r < 4; ++r) {
+    t[2 * r] = _mm_unpacklo_epi16(a[2 * r], a[2 * r + 1]);
+    t[2 * r + 1] = _mm_unpackhi_epi16(a[2 * r], a[2 * r + 1]);
+  }
+  const __m128i u[8] = {_mm_unpacklo_epi32(t[0], t[2]), _mm_unpackhi_epi32(t[0], t[2]),
+                        _mm_unpacklo_epi32(t[1], t[3]), _mm_unpackhi_epi32(t[1], t[3]),
+                        _mm_unpacklo_epi32(t[4], t[6]), _mm_unpackhi_epi32(t[4], t[6]),
+                        _mm_unpacklo_epi32(t[5], t[7]), _mm_unpackhi_epi32(t[5], t[7])};
+  for (int c = 0; c < 4; ++c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * c * dst_stride),
+                     _mm_unpacklo_epi64(u[c], u[c + 4]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * c + 1) * dst_stride),
+                     _mm_unpackhi_epi64(u[c], u[c + 4]));
+  }
+}
+
+// move_elems_typed for 2-byte elements whose tokens are adjacent (vLLM's CPU
+// backend stores each block's K as [head_size][block_size]): 8 x 8 tiles of
+// (element, token) transposed in registers, the edges element by element.
+template <bool kPack>
+void move_elems_transposed_u16(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g,
+                               const CompStrides& s, int64_t elems) {
+  const int64_t tokb = g.token_bytes;
+  auto one = [&](uint8_t* we, uint8_t* ce) { move<kPack, false>(we, ce, 2); };
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    uint8_t* wh = wire + h * g.head_bytes;
+    uint8_t* ch = tok + h * s.head;
+    int64_t e = 0;
+    for (; e + 8 <= elems; e += 8) {
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        uint8_t* w = wh + e * 2 + i * tokb;    // 8 tokens' rows of 8 elements
+        uint8_t* c = ch + e * s.elem + i * 2;  // 8 elements' rows of 8 tokens
+        if (kPack) {
+          transpose8x8_u16(w, tokb, c, s.elem);
+        } else {
+          transpose8x8_u16(c, s.elem, w, tokb);
+        }
+      }
+      for (; i < n; ++i) {
+        for (int64_t r = 0; r < 8; ++r)
+          one(wh + (e + r) * 2 + i * tokb, ch + (e + r) * s.elem + i * 2);
+      }
+    }
+    for (; e < elems; ++e) {
+      for (int64_t i = 0; i < n; ++i) one(wh + e * 2 + i * tokb, ch + e * s.elem + i * 2);
+    }
+  }
+}
+#endif
+
 // Heads whose elements are strided (a K cache stored [head_dim][tokens] within
 // each page): `n` whole tokens, the cache's tokens `stride_token` apart.
 template <bool kPack, bool kNt, typename T>
 void move_elems_typed(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g,
                       const CompStrides& s, int64_t elems) {
+#ifdef KVB_HAVE_SSE2
+  if (sizeof(T) == 2 && s.token == 2)
+    return move_elems_transposed_u16<kPack>(wire, tok, n, g, s, elems);
+#endif
   const int64_t tokb = g.token_bytes;
   for (int64_t h = 0; h < g.num_heads; ++h) {
     uint8_t* wh = wire + h * g.head_bytes;
