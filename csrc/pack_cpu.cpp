@@ -33,9 +33,11 @@ constexpr std::ptrdiff_t kPrefetchRuns = 4;  // runs ahead
 constexpr int64_t kPrefetchBytes = 2048;     // of each run's head
 constexpr uint64_t kHashWindow = uint64_t{32} << 10;
 constexpr uint64_t kPairHashBytes = uint64_t{4} << 20;  // a layer's K and V, hashed from cache
-// Slices this large are written with streaming stores: they outgrow the caches
-// (and a checksummed slice, hashed from cache, never is).
-constexpr uint64_t kStreamBytes = uint64_t{8} << 20;  // copied, then hashed while in cache
+// Slices this large are written with streaming stores: they outgrow the caches.
+constexpr uint64_t kStreamBytes = uint64_t{8} << 20;
+// A checksummed unpack this large writes the cache with streaming stores
+// where it is copied by the hashing loop (move_slice_hashed).
+constexpr uint64_t kStreamHashedBytes = uint64_t{1} << 20;
 
 struct Job {
   const CacheInfo* c;
@@ -613,8 +615,11 @@ bool runs_contiguous(const Job& j) {
 }
 
 // Wire positions [lo, hi) of such a plan, through `h`: one read of each byte.
+// An unpack of kStreamHashedBytes or more writes the cache with streaming
+// stores (its pages are not read back soon; a pack's wire bytes are).
 template <bool kPack>
 void move_slice_hashed(const Job& j, uint64_t lo, uint64_t hi, Xxh3Stream& h) {
+  const bool stream = !kPack && hi - lo >= kStreamHashedBytes;
   const Geometry& g = j.p->g;
   const uint64_t blkb = static_cast<uint64_t>(g.block_bytes);
   const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
@@ -638,7 +643,7 @@ void move_slice_hashed(const Job& j, uint64_t lo, uint64_t hi, Xxh3Stream& h) {
       if (kPack) {
         h.update_copy(wire, cache, w1 - w0);
       } else {
-        h.update_copy(cache, wire, w1 - w0);
+        h.update_copy(cache, wire, w1 - w0, stream);
       }
     }
     lo = blk_pos + bhi;

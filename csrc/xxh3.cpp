@@ -237,6 +237,7 @@ __attribute__((target("avx2"))) void scramble_avx2(uint64_t* acc, const uint8_t*
 }
 
 // GCC 12 warns about its own _mm512_undefined_epi32() inside the intrinsics.
+template <bool kStream>
 __attribute__((target("avx2"))) void acc_copy_avx2(uint64_t* acc, uint8_t* dst, const uint8_t* src,
                                                    const uint8_t* sec, size_t stripes) {
   __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
@@ -246,8 +247,13 @@ __attribute__((target("avx2"))) void acc_copy_avx2(uint64_t* acc, uint8_t* dst, 
     __m256i* q = reinterpret_cast<__m256i*>(dst + n * kStripe);
     const __m256i* k = reinterpret_cast<const __m256i*>(sec + n * 8);
     const __m256i d0 = _mm256_loadu_si256(p), d1 = _mm256_loadu_si256(p + 1);
-    _mm256_storeu_si256(q, d0);
-    _mm256_storeu_si256(q + 1, d1);
+    if (kStream) {
+      _mm256_stream_si256(q, d0);
+      _mm256_stream_si256(q + 1, d1);
+    } else {
+      _mm256_storeu_si256(q, d0);
+      _mm256_storeu_si256(q + 1, d1);
+    }
     const __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256(k));
     const __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256(k + 1));
     const __m256i p0 = _mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32));
@@ -278,13 +284,18 @@ __attribute__((target("avx512f"))) void acc_avx512(uint64_t* acc, const uint8_t*
   _mm512_storeu_si512(acc, a);
 }
 
+template <bool kStream>
 __attribute__((target("avx512f"))) void acc_copy_avx512(uint64_t* acc, uint8_t* dst,
                                                         const uint8_t* src, const uint8_t* sec,
                                                         size_t stripes) {
   __m512i a = _mm512_loadu_si512(acc);
   for (size_t n = 0; n < stripes; ++n) {
     const __m512i d = _mm512_loadu_si512(src + n * kStripe);
-    _mm512_storeu_si512(dst + n * kStripe, d);
+    if (kStream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + n * kStripe), d);
+    } else {
+      _mm512_storeu_si512(dst + n * kStripe, d);
+    }
     const __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512(sec + n * 8));
     const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
     const __m512i swap =
@@ -310,6 +321,7 @@ struct Kernels {
   AccFn acc;
   ScrambleFn scramble;
   AccCopyFn acc_copy;
+  AccCopyFn acc_copy_stream;  // streaming stores; dst 64-byte aligned
 };
 
 // Kernel sets by number: 1 portable, 2 SSE2, 3 AVX2, 4 AVX-512 (0: the best
@@ -322,25 +334,25 @@ bool kernels_for(int which, Kernels* out) {
   if (which == 0) which = avx512 ? 4 : avx2 ? 3 : 2;
   switch (which) {
     case 1:
-      *out = {acc_scalar, scramble_scalar, acc_copy_scalar};
+      *out = {acc_scalar, scramble_scalar, acc_copy_scalar, acc_copy_scalar};
       return true;
     case 2:
-      *out = {acc_sse2, scramble_sse2, acc_copy_sse2};
+      *out = {acc_sse2, scramble_sse2, acc_copy_sse2, acc_copy_sse2};
       return true;
     case 3:
       if (!avx2) return false;
-      *out = {acc_avx2, scramble_avx2, acc_copy_avx2};
+      *out = {acc_avx2, scramble_avx2, acc_copy_avx2<false>, acc_copy_avx2<true>};
       return true;
     case 4:
       if (!avx512) return false;
-      *out = {acc_avx512, scramble_avx512, acc_copy_avx512};
+      *out = {acc_avx512, scramble_avx512, acc_copy_avx512<false>, acc_copy_avx512<true>};
       return true;
     default:
       return false;
   }
 #else
   if (which != 0 && which != 1) return false;
-  *out = {acc_scalar, scramble_scalar, acc_copy_scalar};
+  *out = {acc_scalar, scramble_scalar, acc_copy_scalar, acc_copy_scalar};
   return true;
 #endif
 }
@@ -382,12 +394,15 @@ void consume_stripes(uint64_t* acc, size_t* in_block, const uint8_t* in, size_t 
 }
 
 // consume_stripes, copying the stripes from `src` to `dst` as they are read.
+// With `stream`, streaming stores where `dst` is 64-byte aligned.
 void consume_copy_stripes(uint64_t* acc, size_t* in_block, uint8_t* dst, const uint8_t* src,
-                          size_t stripes) {
+                          size_t stripes, bool stream) {
   const Kernels& k = kernels();
+  const AccCopyFn copy =
+      stream && (reinterpret_cast<uintptr_t>(dst) & 63) == 0 ? k.acc_copy_stream : k.acc_copy;
   while (stripes > 0) {
     const size_t take = std::min(stripes, kStripesPerBlock - *in_block);
-    k.acc_copy(acc, dst, src, kSecret + *in_block * 8, take);
+    copy(acc, dst, src, kSecret + *in_block * 8, take);
     src += take * kStripe;
     dst += take * kStripe;
     stripes -= take;
@@ -397,6 +412,9 @@ void consume_copy_stripes(uint64_t* acc, size_t* in_block, uint8_t* dst, const u
       *in_block = 0;
     }
   }
+#ifdef KVB_XXH3_X86
+  if (copy == k.acc_copy_stream && copy != k.acc_copy) _mm_sfence();  // order the streamed stores
+#endif
 }
 
 }  // namespace
@@ -456,7 +474,7 @@ void Xxh3Stream::update(const void* data, size_t n) {
 
 // update(), with the bytes also copied to `dst`: the stripes hashed straight
 // from the input are copied by the same loop that hashes them.
-void Xxh3Stream::update_copy(void* dst, const void* src, size_t n) {
+void Xxh3Stream::update_copy(void* dst, const void* src, size_t n, bool stream) {
   uint8_t* d = static_cast<uint8_t*>(dst);
   const uint8_t* p = static_cast<const uint8_t*>(src);
   if (buffered_ + n <= kBufferSize) {
@@ -477,7 +495,7 @@ void Xxh3Stream::update_copy(void* dst, const void* src, size_t n) {
   }
   if (n > kBufferSize) {
     const size_t stripes = (n - 1) / kStripe;
-    consume_copy_stripes(acc_, &stripes_in_block_, d, p, stripes);
+    consume_copy_stripes(acc_, &stripes_in_block_, d, p, stripes, stream);
     std::memcpy(last_stripe_, d + (stripes - 1) * kStripe, kStripe);
     p += stripes * kStripe;
     d += stripes * kStripe;

@@ -89,3 +89,39 @@ def test_a_large_slice_that_starts_inside_a_layer() -> None:
     part = _aligned_buffer(n, 0)
     rng.pack(part, offset=off, nbytes=n, num_threads=2)
     assert np.array_equal(part, expected[off : off + n])
+
+
+def test_checksummed_slices_of_a_megabyte_and_more() -> None:
+    """kvbridge's own layout (contiguous runs): a checksummed pack is copied by
+    the hashing loop, and an unpack of 1 MiB or more writes the cache with
+    streaming stores from that loop; bytes and digests as the reference."""
+    import xxhash
+
+    from kvbridge.errors import ChecksumError
+    from kvbridge.layout import KVLayout
+
+    lay = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="fp16", page_tokens=16)
+    pages = 160  # 64 KiB pages of each layer and component: 20 MiB of wire
+    src = PagedKVCache.allocate(lay, pages, fill="random", seed=11)
+    table = list(range(pages))[::-1]
+    tokens = pages * lay.page_tokens - 3
+    expected = ref_pack(src, table, 0, tokens).numpy()
+    rng = src.range(table, 0, tokens)
+    dst = PagedKVCache.allocate(lay, pages, fill=0)
+    back = dst.range(table, 0, tokens)
+    chunk = 4 << 20
+    for off in range(0, rng.nbytes, chunk):
+        n = min(chunk, rng.nbytes - off)
+        out = _aligned_buffer(n, 0)
+        _, digest = rng.pack(out, offset=off, nbytes=n, checksum=True)
+        assert np.array_equal(out, expected[off : off + n])
+        assert digest == xxhash.xxh3_64_intdigest(out.tobytes())
+        back.unpack(out, offset=off, expect_checksum=digest)
+    assert np.array_equal(ref_pack(dst, table, 0, tokens).numpy(), expected)
+    # A wrong digest over a large slice is refused; unpacking it again repairs it.
+    out = _aligned_buffer(chunk, 16)
+    _, digest = rng.pack(out, nbytes=chunk, checksum=True)
+    with pytest.raises(ChecksumError):
+        back.unpack(out, expect_checksum=digest ^ 1)
+    back.unpack(out, expect_checksum=digest)
+    assert np.array_equal(ref_pack(dst, table, 0, tokens).numpy(), expected)
