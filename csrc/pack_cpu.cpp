@@ -462,14 +462,22 @@ __attribute__((target("avx2"))) void move_pair_nt_avx2(const TokenRun* runs, siz
     for (int64_t t = runs[r].t0; t < runs[r].t1; ++t, tok += stride_token) {
       uint8_t* wk = wire_k + t * tokb;
       uint8_t* wv = wire_v + t * tokb;
+      // The token's K rows, then its V rows: each wire stream is written in
+      // order, so a line that a row ends inside is finished by the next store.
       for (int64_t h = 0; h < heads; ++h) {
         uint8_t* c = tok + h * stride_head;
         if (kPack) {
           row_nt_avx2<kB, kWide>(wk + h * kB, c);
-          row_nt_avx2<kB, kWide>(wv + h * kB, c + v_off);
         } else {
           row_nt_avx2<kB, kWide>(c, wk + h * kB);
-          row_nt_avx2<kB, kWide>(c + v_off, wv + h * kB);
+        }
+      }
+      for (int64_t h = 0; h < heads; ++h) {
+        uint8_t* c = tok + h * stride_head + v_off;
+        if (kPack) {
+          row_nt_avx2<kB, kWide>(wv + h * kB, c);
+        } else {
+          row_nt_avx2<kB, kWide>(c, wv + h * kB);
         }
       }
     }
