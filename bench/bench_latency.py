@@ -30,6 +30,41 @@ def test_latency_small() -> None:
         assert len(c.samples) == 20, c.name
 
 
+def test_latency_rows() -> None:
+    """Every busy_poll_us x poll_yield_us pair gets an awaiting row, every
+    poll_yield_us a polling row; the first values are the unmarked defaults."""
+    cfgs = latency.configs(["tcp"], ["kvb-ucx", "kvb-ucx-poll"], [1000, 200], [0, 20])
+    names = [c.name for c in cfgs]
+    assert names == [
+        "kvbridge UCX tcp",
+        "kvbridge UCX tcp y=20",
+        "kvbridge UCX tcp bp=200",
+        "kvbridge UCX tcp bp=200 y=20",
+        "kvbridge UCX tcp poll",
+        "kvbridge UCX tcp poll y=20",
+    ]
+    assert cfgs[3].opts == {"busy_poll_us": 200, "poll_yield_us": 20}
+    assert cfgs[5].opts == {"busy_poll_us": 1000, "poll_yield_us": 20, "mode": "poll"}
+
+
+@pytest.mark.ucx
+@pytest.mark.parametrize("mode", ["await", "poll"])
+def test_ucx_trace_two_processes(mode: str) -> None:
+    """The two-process timeline of --breakdown: six steps per leg, stamped on
+    the clock both processes share, in causal order (ucx_trace raises
+    otherwise)."""
+    from kvbridge.transport import ucx
+
+    if not ucx.available():
+        pytest.skip(ucx.unavailable_reason())
+    steps, half = latency.ucx_trace("tcp,sm", 4096, 40, mode, {}, 60.0)
+    assert [name for name, _ in steps] == list(latency.UCX_TRACE_STEPS)
+    assert half > 0
+    assert all(us == us for _, us in steps)  # no NaN
+    # the legs' medians: the two loop hops and the two send() calls are real time
+    assert steps[0][1] > 0 and steps[3][1] > 0
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=latency.__doc__)
     latency.add_arguments(parser)
