@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kvbridge.cli import latency
+from kvbridge.errors import KVBridgeError
 
 
 @pytest.mark.ucx
@@ -45,6 +46,21 @@ def test_latency_rows() -> None:
     ]
     assert cfgs[3].opts == {"busy_poll_us": 200, "poll_yield_us": 20}
     assert cfgs[5].opts == {"busy_poll_us": 1000, "poll_yield_us": 20, "mode": "poll"}
+
+
+def test_trace_steps() -> None:
+    """Each leg's steps from both sides' stamps (seconds); a leg whose
+    expect resolved before the other side's send() was called is refused."""
+    a = [(1.0, 1.000010, 1.000050, 1.000052)]
+    b = [(1.000008, 1.000012, 1.000030)]
+    steps, half = latency.trace_steps(a, b)
+    us = [round(x, 3) for _, x in steps]
+    assert us == [10.0, -2.0, 4.0, 18.0, 20.0, 2.0]
+    assert round(sum(us), 3) == round(2 * half, 3) == 52.0
+    with pytest.raises(KVBridgeError, match="out of order"):
+        latency.trace_steps(a, [(0.999, 1.000012, 1.000030)])  # landed before it was sent
+    with pytest.raises(KVBridgeError, match="out of order"):
+        latency.trace_steps([(1.0, 1.000010, 1.000011, 1.000052)], b)  # before B's send()
 
 
 @pytest.mark.ucx

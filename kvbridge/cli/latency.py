@@ -509,7 +509,20 @@ def ucx_trace(
         a, b = pair.burst_both(count, timeout)
     finally:
         pair.close()
-    legs = list(zip(a[1], b[1], strict=True))[count // 5 :]
+    return trace_steps(a[1][count // 5 :], b[1][count // 5 :])
+
+
+def trace_steps(
+    a_legs: list[tuple[float, ...]], b_legs: list[tuple[float, ...]]
+) -> tuple[list[tuple[str, float]], float]:
+    """The median of each of UCX_TRACE_STEPS and of half a round trip, in
+    microseconds, from side A's stamps (send() called, returned, its expect
+    resolved, its task resumed) and side B's (its expect resolved, send()
+    called, returned) of the same legs; raises KVBridgeError for a leg whose
+    stamps are out of causal order."""
+    legs = list(zip(a_legs, b_legs, strict=True))
+    if not legs:
+        raise KVBridgeError("UCX trace: no legs")
     steps: list[list[float]] = [[] for _ in UCX_TRACE_STEPS]
     half = []
     for (a0, a1, a_he, a_back), (b_he, b0, b1) in legs:
