@@ -11,7 +11,21 @@ not a mode the library has; the receiver then accepts every chunk):
 * ``no-hash``: both;
 * ``raw``: a u64 length and the bytes per connection, read straight into one buffer.
 
+With ``--scenario pages`` the transfers are the anchors' 4096 random pages of
+64 KiB (``kvbridge-bench transfer``'s pages scenario: a contiguous source
+block table, a shuffled destination) through ``KVSource`` / ``KVSink``, and
+the variants are
+
+* ``kvbridge``: as shipped (the sender writes the cache's pages themselves
+  and hashes them; the receiver checks and scatters each chunk in one pass);
+* ``packed``: the sender packs each chunk with its checksum in the pack's
+  copy instead (``KVSource(..., zero_copy=False)``);
+* ``rx-2pass``: the receiver hashes each chunk as it arrives (256 KiB
+  pieces, in cache) and then unpacks it without a check (its sink without
+  ``write_checksummed``).
+
     python bench/bench_tcp_cpu.py [--mib 256] [--streams 4] [--rounds 8] [--variants ...]
+    python bench/bench_tcp_cpu.py --scenario pages [--rounds 8]
 
 Under pytest a short run checks that every variant moves its bytes.
 """
@@ -30,6 +44,7 @@ import types
 from typing import Any
 
 VARIANTS = ("kvbridge", "no-tx-hash", "no-rx-hash", "no-hash")
+PAGE_VARIANTS = ("kvbridge", "packed", "rx-2pass")
 MODE = 0x90  # a CONTROL frame that sets the receiver's variant
 
 
@@ -90,7 +105,18 @@ def _cpu(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
-def _server(q: Any) -> None:
+def _pages() -> Any:
+    """The anchors' pages scenario of ``kvbridge-bench transfer``."""
+    from kvbridge.cli.compare import scenarios
+
+    args = types.SimpleNamespace(
+        scenarios="pages", page_kib=64, pages=4096, block_tables="shuffled", bulk_mib=256
+    )
+    (scen,) = scenarios(args)
+    return scen
+
+
+def _server(q: Any, scenario: str = "bulk") -> None:
     from kvbridge.cli import transfer_bench as bm
     from kvbridge.transport.tcp import run
     from kvbridge.transport.tcp.receiver import TcpReceiver
@@ -98,6 +124,22 @@ def _server(q: Any) -> None:
     async def main() -> None:
         rx = await TcpReceiver("127.0.0.1", 0).start()
         srv = bm.BenchServer(rx)
+        if scenario == "pages":
+            from kvbridge.cli.compare_peers import _buffer
+            from kvbridge.cli.transfer_peers import _ends
+
+            scen = _pages()
+            dst = _buffer(scen, fill=False)
+
+            def on_expect(conn: Any, typ: int, payload: bytes) -> None:
+                rid = payload[8:].decode()
+                sink = _ends(scen, dst, scen.dst_bt, True)
+                if rid.endswith("-rx-2pass"):
+                    del sink.write_checksummed
+                h = rx.expect(rid, sink, timeout=600)
+                conn.send_control(bm.EXPECT_TOKEN, h.token + payload[8:])
+
+            rx.on_control(bm.EXPECT_REQ, on_expect)
 
         def on_mode(conn: Any, typ: int, payload: bytes) -> None:
             _rx_variant(payload.decode())
@@ -113,7 +155,12 @@ def _server(q: Any) -> None:
 
 
 def measure(
-    mib: int = 256, streams: int = 4, rounds: int = 8, variants: tuple[str, ...] = VARIANTS
+    mib: int = 256,
+    streams: int = 4,
+    rounds: int = 8,
+    variants: tuple[str, ...] = VARIANTS,
+    scenario: str = "bulk",
+    chunk_size: int | None = None,
 ) -> dict[str, Any]:
     """Every variant and raw, round by round; per row the goodput (median),
     the ratio to raw (median and range of the rounds) and the CPU seconds
@@ -124,16 +171,25 @@ def measure(
     from kvbridge.transport.tcp.sender import TcpSender
 
     nbytes = mib << 20
+    pages = scenario == "pages"
+    if pages:
+        from kvbridge.cli.compare_peers import _buffer
+        from kvbridge.cli.transfer_peers import _ends
+
+        scen = _pages()
+        nbytes = scen.nbytes
+        src_buf = _buffer(scen, fill=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_server, args=(q,), daemon=True)
+    proc = ctx.Process(target=_server, args=(q, scenario), daemon=True)
     proc.start()
     port, raw_port = q.get(timeout=60)
     names = [*variants, "raw"]
 
     async def main() -> dict[str, Any]:
-        data = memoryview(os.urandom(nbytes))
-        tx = await TcpSender("127.0.0.1", port, streams=streams, compression="off").connect()
+        data = memoryview(src_buf.data) if pages else memoryview(os.urandom(nbytes))
+        tx = TcpSender("127.0.0.1", port, streams=streams, compression="off", chunk_size=chunk_size)
+        await tx.connect()
         broker = bm._TokenBroker(tx)
         acks: asyncio.Queue[bytes] = asyncio.Queue()
         tx.on_control(MODE + 1, lambda c, t, p: acks.put_nowait(p))
@@ -144,16 +200,21 @@ def measure(
         for r in range(rounds + 1):  # the first round warms up
             for name in names:
                 if name != "raw":
-                    _tx_variant(name)
-                    tx.send_control(MODE, name.encode())
-                    await asyncio.wait_for(acks.get(), 30)
+                    if not pages:
+                        _tx_variant(name)
+                        tx.send_control(MODE, name.encode())
+                        await asyncio.wait_for(acks.get(), 30)
                     tok = await broker.token(f"r{r}-{name}", nbytes)
                 c0 = (_cpu(me), _cpu(proc.pid))
                 t0 = time.perf_counter()
                 if name == "raw":
                     await bm._raw_run("127.0.0.1", raw_port, data, streams, conns)
                 else:
-                    src = BytesSource(data)
+                    src = (
+                        _ends(scen, src_buf, scen.src_bt, False, zero_copy=name != "packed")
+                        if pages
+                        else BytesSource(data)
+                    )
                     await tx.send(f"r{r}-{name}", src, token=tok, timeout=600).wait(600)
                 dt = time.perf_counter() - t0
                 c1 = (_cpu(me), _cpu(proc.pid))
@@ -170,7 +231,13 @@ def measure(
         for _, w in conns:
             w.close()
         await tx.close()
-        out: dict[str, Any] = {"bytes": nbytes, "streams": streams, "rounds": rounds, "rows": []}
+        out: dict[str, Any] = {
+            "bytes": nbytes,
+            "streams": streams,
+            "rounds": rounds,
+            "scenario": scenario,
+            "rows": [],
+        }
         for name in names:
             ratios = [a / b for a, b in zip(gbps[name], gbps["raw"], strict=True)]
             keys = cpu[name][0].keys()
@@ -195,8 +262,9 @@ def measure(
 
 
 def format_rows(res: dict[str, Any]) -> str:
+    what = "4096 random 64 KiB pages, " if res.get("scenario") == "pages" else ""
     lines = [
-        f"# {res['bytes'] >> 20} MiB transfers over {res['streams']} streams, "
+        f"# {what}{res['bytes'] >> 20} MiB transfers over {res['streams']} streams, "
         f"{res['rounds']} interleaved rounds; CPU: seconds per GB moved, user + system"
     ]
     for r in res["rows"]:
@@ -218,12 +286,23 @@ def test_every_variant_moves_its_bytes() -> None:
     print("\n" + format_rows(res))
 
 
+def test_the_pages_variants_move_their_bytes() -> None:
+    res = measure(streams=2, rounds=1, variants=PAGE_VARIANTS, scenario="pages")
+    assert [r["row"] for r in res["rows"]] == [*PAGE_VARIANTS, "raw"]
+    assert all(r["gbps"] > 0 for r in res["rows"])
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--streams", type=int, default=4)
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=None, help="default: every variant of the scenario")
+    p.add_argument("--scenario", choices=("bulk", "pages"), default="bulk")
+    p.add_argument("--chunk-kib", type=int, default=None, help="default: fitted (4 MiB here)")
     a = p.parse_args()
+    names = a.variants or ",".join(PAGE_VARIANTS if a.scenario == "pages" else VARIANTS)
     print(f"# python bench/bench_tcp_cpu.py {' '.join(sys.argv[1:])}")
-    print(format_rows(measure(a.mib, a.streams, a.rounds, tuple(a.variants.split(",")))))
+    chunk = None if a.chunk_kib is None else a.chunk_kib << 10
+    variants = tuple(names.split(","))
+    print(format_rows(measure(a.mib, a.streams, a.rounds, variants, a.scenario, chunk)))

@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "error.h"
@@ -17,6 +18,10 @@
 #include <emmintrin.h>
 #define KVB_HAVE_SSE2 1
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KVB_HAVE_AVX2_TARGET 1
+#endif
 
 namespace kvb {
 namespace {
@@ -28,9 +33,11 @@ constexpr std::ptrdiff_t kPrefetchRuns = 4;  // runs ahead
 constexpr int64_t kPrefetchBytes = 2048;     // of each run's head
 constexpr uint64_t kHashWindow = uint64_t{32} << 10;
 constexpr uint64_t kPairHashBytes = uint64_t{4} << 20;  // a layer's K and V, hashed from cache
-// Slices this large are written with streaming stores: they outgrow the caches
-// (and a checksummed slice, hashed from cache, never is).
-constexpr uint64_t kStreamBytes = uint64_t{8} << 20;  // copied, then hashed while in cache
+// Slices this large are written with streaming stores: they outgrow the caches.
+constexpr uint64_t kStreamBytes = uint64_t{8} << 20;
+// A checksummed unpack this large writes the cache with streaming stores
+// where it is copied by the hashing loop (move_slice_hashed).
+constexpr uint64_t kStreamHashedBytes = uint64_t{1} << 20;
 
 struct Job {
   const CacheInfo* c;
@@ -40,11 +47,51 @@ struct Job {
   bool paired = false;   // components_paired()
 };
 
-// A copy whose destination is not read back soon: 16-byte streaming stores
-// (no read for ownership, no cache pollution) where the destination is
-// aligned, as memcpy itself does for copies larger than the caches.
+#ifdef KVB_HAVE_AVX2_TARGET
+// 32-byte streaming stores where the CPU has AVX2 (chosen at run time: the
+// core is built for baseline x86-64).  Out of line, so for long copies only.
+constexpr size_t kAvx2CallBytes = 1024;
+
+__attribute__((target("avx2"))) void copy_nt_avx2(uint8_t* dst, const uint8_t* src, size_t n) {
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  for (; i + 32 <= n; i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  }
+  for (; i + 16 <= n; i += 16) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+  }
+  if (i < n) std::memcpy(dst + i, src + i, n - i);
+}
+bool cpu_has_avx2() {
+  __builtin_cpu_init();  // may run before the runtime's own initialisation
+  return __builtin_cpu_supports("avx2") != 0;
+}
+const bool kHaveAvx2 = cpu_has_avx2();
+#endif
+
+// A copy whose destination is not read back soon: streaming stores (no read
+// for ownership, no cache pollution) where the destination is aligned, as
+// memcpy itself does for copies larger than the caches.
 inline void copy_nt(uint8_t* dst, const uint8_t* src, size_t n) {
 #ifdef KVB_HAVE_SSE2
+#ifdef KVB_HAVE_AVX2_TARGET
+  if (n >= kAvx2CallBytes && kHaveAvx2 && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+    copy_nt_avx2(dst, src, n);
+    return;
+  }
+#endif
   if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     size_t i = 0;
     for (; i + 64 <= n; i += 64) {
@@ -114,11 +161,75 @@ inline void move_heads(uint8_t* wire, uint8_t* tok, const Geometry& g, int64_t s
   }
 }
 
+#ifdef KVB_HAVE_SSE2
+// An 8 x 8 tile of 2-byte elements, transposed: row r of `src` (8 elements at
+// src + r * src_stride) becomes column r of `dst` (rows dst_stride apart).
+inline void transpose8x8_u16(uint8_t* dst, int64_t dst_stride, const uint8_t* src,
+                             int64_t src_stride) {
+  __m128i a[8], t[8];
+  for (int r = 0; r < 8; ++r) {
+    a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + r * src_stride));
+  }
+  for (int r = 0; r < 4; ++r) {
+    t[2 * r] = _mm_unpacklo_epi16(a[2 * r], a[2 * r + 1]);
+    t[2 * r + 1] = _mm_unpackhi_epi16(a[2 * r], a[2 * r + 1]);
+  }
+  const __m128i u[8] = {_mm_unpacklo_epi32(t[0], t[2]), _mm_unpackhi_epi32(t[0], t[2]),
+                        _mm_unpacklo_epi32(t[1], t[3]), _mm_unpackhi_epi32(t[1], t[3]),
+                        _mm_unpacklo_epi32(t[4], t[6]), _mm_unpackhi_epi32(t[4], t[6]),
+                        _mm_unpacklo_epi32(t[5], t[7]), _mm_unpackhi_epi32(t[5], t[7])};
+  for (int c = 0; c < 4; ++c) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 2 * c * dst_stride),
+                     _mm_unpacklo_epi64(u[c], u[c + 4]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * c + 1) * dst_stride),
+                     _mm_unpackhi_epi64(u[c], u[c + 4]));
+  }
+}
+
+// move_elems_typed for 2-byte elements whose tokens are adjacent (vLLM's CPU
+// backend stores each block's K as [head_size][block_size]): 8 x 8 tiles of
+// (element, token) transposed in registers, the edges element by element.
+template <bool kPack>
+void move_elems_transposed_u16(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g,
+                               const CompStrides& s, int64_t elems) {
+  const int64_t tokb = g.token_bytes;
+  auto one = [&](uint8_t* we, uint8_t* ce) { move<kPack, false>(we, ce, 2); };
+  for (int64_t h = 0; h < g.num_heads; ++h) {
+    uint8_t* wh = wire + h * g.head_bytes;
+    uint8_t* ch = tok + h * s.head;
+    int64_t e = 0;
+    for (; e + 8 <= elems; e += 8) {
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        uint8_t* w = wh + e * 2 + i * tokb;    // 8 tokens' rows of 8 elements
+        uint8_t* c = ch + e * s.elem + i * 2;  // 8 elements' rows of 8 tokens
+        if (kPack) {
+          transpose8x8_u16(w, tokb, c, s.elem);
+        } else {
+          transpose8x8_u16(c, s.elem, w, tokb);
+        }
+      }
+      for (; i < n; ++i) {
+        for (int64_t r = 0; r < 8; ++r)
+          one(wh + (e + r) * 2 + i * tokb, ch + (e + r) * s.elem + i * 2);
+      }
+    }
+    for (; e < elems; ++e) {
+      for (int64_t i = 0; i < n; ++i) one(wh + e * 2 + i * tokb, ch + e * s.elem + i * 2);
+    }
+  }
+}
+#endif
+
 // Heads whose elements are strided (a K cache stored [head_dim][tokens] within
 // each page): `n` whole tokens, the cache's tokens `stride_token` apart.
 template <bool kPack, bool kNt, typename T>
 void move_elems_typed(uint8_t* wire, uint8_t* tok, int64_t n, const Geometry& g,
                       const CompStrides& s, int64_t elems) {
+#ifdef KVB_HAVE_SSE2
+  if (sizeof(T) == 2 && s.token == 2)
+    return move_elems_transposed_u16<kPack>(wire, tok, n, g, s, elems);
+#endif
   const int64_t tokb = g.token_bytes;
   for (int64_t h = 0; h < g.num_heads; ++h) {
     uint8_t* wh = wire + h * g.head_bytes;
@@ -276,7 +387,137 @@ bool components_paired(const Job& j) {
   return a.page == b.page && a.token == b.token && a.head == b.head && a.elem == b.elem;
 }
 
+// One token of a paired layer whose heads are not adjacent (vLLM's LBHNC and
+// the like): each head's K row, then its V row `v_off` after it, both
+// kHeadBytes long.  The size is a constant, so each row is a few vector moves.
+template <bool kPack, bool kNt, int64_t kHeadBytes>
+inline void move_pair_token(uint8_t* wire_k, uint8_t* wire_v, uint8_t* tok, int64_t heads,
+                            int64_t stride_head, int64_t v_off) {
+  for (int64_t h = 0; h < heads; ++h) {
+    uint8_t* c = tok + h * stride_head;
+    move<kPack, kNt>(wire_k + h * kHeadBytes, c, kHeadBytes);
+    move<kPack, kNt>(wire_v + h * kHeadBytes, c + v_off, kHeadBytes);
+  }
+}
+
+// The tokens of a paired layer's runs, each token's rows moved by `tok_fn`
+// (wire K row, wire V row, the token in the cache).  Runs start at random
+// pages, where the hardware prefetcher cannot follow: with `prefetch_heads`
+// > 0 the head of each head's part of a run a few runs ahead is touched first
+// (read for pack, write for unpack).  Streaming stores need none (measured:
+// touching runs ahead slowed the streamed copy).
+template <bool kPack, typename TokenFn>
+inline void for_pair_tokens(const std::vector<TokenRun>& runs, uint8_t* k_base,
+                            int64_t stride_token, int64_t tokb, uint8_t* wire_k, uint8_t* wire_v,
+                            int64_t prefetch_heads, int64_t stride_head, TokenFn tok_fn) {
+  const size_t n = runs.size();
+  for (size_t r = 0; r < n; ++r) {
+    if (prefetch_heads > 0 && r + kPrefetchRuns < n) {
+      const TokenRun& ahead = runs[r + kPrefetchRuns];
+      const int64_t span = std::min<int64_t>((ahead.t1 - ahead.t0) * stride_token, kPrefetchBytes);
+      for (int64_t h = 0; h < prefetch_heads; ++h) {
+        const uint8_t* p = k_base + ahead.off + h * stride_head;
+        for (int64_t x = 0; x < span; x += 64) __builtin_prefetch(p + x, kPack ? 0 : 1, 3);
+      }
+    }
+    const TokenRun& run = runs[r];
+    uint8_t* tok = k_base + run.off;
+    for (int64_t t = run.t0; t < run.t1; ++t, tok += stride_token) {
+      tok_fn(wire_k + t * tokb, wire_v + t * tokb, tok);
+    }
+  }
+}
+
+#ifdef KVB_HAVE_AVX2_TARGET
+// kB bytes (a multiple of 32) with streaming stores: 32-byte moves where
+// `dst` is 32-byte aligned (kWide), else 16-byte ones (`dst` 16-byte aligned).
+template <int64_t kB, bool kWide>
+__attribute__((target("avx2"), always_inline)) inline void row_nt_avx2(uint8_t* dst,
+                                                                       const uint8_t* src) {
+  if (kWide) {
+    for (int64_t i = 0; i < kB; i += 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    }
+  } else {
+    for (int64_t i = 0; i < kB; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+  }
+}
+
+// move_pair's streaming copy of heads of kB bytes, with AVX2: the rows are
+// inlined vector moves (an out-of-line copy per row costs a tenth of the
+// bandwidth on rows this short).  The caller checked that every destination
+// row is 16-byte aligned, and 32-byte aligned for kWide.
+template <bool kPack, int64_t kB, bool kWide>
+__attribute__((target("avx2"))) void move_pair_nt_avx2(const TokenRun* runs, size_t num_runs,
+                                                       uint8_t* k_base, int64_t stride_token,
+                                                       int64_t tokb, uint8_t* wire_k,
+                                                       uint8_t* wire_v, int64_t heads,
+                                                       int64_t stride_head, int64_t v_off) {
+  for (size_t r = 0; r < num_runs; ++r) {
+    uint8_t* tok = k_base + runs[r].off;
+    for (int64_t t = runs[r].t0; t < runs[r].t1; ++t, tok += stride_token) {
+      uint8_t* wk = wire_k + t * tokb;
+      uint8_t* wv = wire_v + t * tokb;
+      for (int64_t h = 0; h < heads; ++h) {
+        uint8_t* c = tok + h * stride_head;
+        if (kPack) {
+          row_nt_avx2<kB, kWide>(wk + h * kB, c);
+          row_nt_avx2<kB, kWide>(wv + h * kB, c + v_off);
+        } else {
+          row_nt_avx2<kB, kWide>(c, wk + h * kB);
+          row_nt_avx2<kB, kWide>(c + v_off, wv + h * kB);
+        }
+      }
+    }
+  }
+}
+
+// Runs move_pair_nt_avx2 when the CPU has AVX2 and every destination row is
+// 16-byte aligned; false when it did not.
+template <bool kPack>
+bool move_pair_heads_avx2(const std::vector<TokenRun>& runs, uint8_t* k_base, const CompStrides& s,
+                          const Geometry& g, uint8_t* wire_k, uint8_t* wire_v, int64_t v_off) {
+  if (!kHaveAvx2) return false;
+  // The low bits that any destination row's address may have.
+  uintptr_t bits = 0;
+  if (kPack) {
+    bits = reinterpret_cast<uintptr_t>(wire_k) | reinterpret_cast<uintptr_t>(wire_v) |
+           static_cast<uintptr_t>(g.token_bytes);
+  } else {
+    bits = reinterpret_cast<uintptr_t>(k_base) | static_cast<uintptr_t>(s.token) |
+           static_cast<uintptr_t>(s.head) | static_cast<uintptr_t>(v_off);
+    for (const TokenRun& r : runs) bits |= static_cast<uintptr_t>(r.off);
+  }
+  if (bits & 15) return false;
+  const bool wide = (bits & 31) == 0;
+  auto go = [&](auto size) {
+    constexpr int64_t kB = decltype(size)::value;
+    auto kernel = wide ? move_pair_nt_avx2<kPack, kB, true> : move_pair_nt_avx2<kPack, kB, false>;
+    kernel(runs.data(), runs.size(), k_base, s.token, g.token_bytes, wire_k, wire_v, g.num_heads,
+           s.head, v_off);
+    return true;
+  };
+  switch (g.head_bytes) {
+    case 64:
+      return go(std::integral_constant<int64_t, 64>{});
+    case 128:
+      return go(std::integral_constant<int64_t, 128>{});
+    case 256:
+      return go(std::integral_constant<int64_t, 256>{});
+    case 512:
+      return go(std::integral_constant<int64_t, 512>{});
+    default:
+      return false;
+  }
+}
+#endif
+
 // The whole K and V blocks of one layer: V's bytes sit `v_off` after K's.
+// Each cache slot is read once, K's bytes and V's together.
 template <bool kPack, bool kNt>
 void move_pair(const Job& j, TokenShape shape, uint8_t* k_base, int64_t v_off, uint8_t* wire_k,
                uint8_t* wire_v) {
@@ -284,21 +525,40 @@ void move_pair(const Job& j, TokenShape shape, uint8_t* k_base, int64_t v_off, u
   const CompStrides& s = j.c->comp[0];
   const int64_t tokb = g.token_bytes;
   const std::vector<TokenRun>& runs = j.p->runs[0];
-  for (size_t r = 0; r < runs.size(); ++r) {
-    if ((kPack || !kNt) && r + kPrefetchRuns < runs.size()) {
-      prefetch_run<kPack>(runs[r + kPrefetchRuns], s, k_base);
-    }
-    const TokenRun& run = runs[r];
-    uint8_t* tok = k_base + run.off;
-    for (int64_t t = run.t0; t < run.t1; ++t, tok += s.token) {
-      if (shape == TokenShape::kRun) {
-        move<kPack, kNt>(wire_k + t * tokb, tok, static_cast<size_t>(tokb));
-        move<kPack, kNt>(wire_v + t * tokb, tok + v_off, static_cast<size_t>(tokb));
-      } else {
-        move_heads<kPack, kNt>(wire_k + t * tokb, tok, g, s.head);
-        move_heads<kPack, kNt>(wire_v + t * tokb, tok + v_off, g, s.head);
-      }
-    }
+  if (shape == TokenShape::kRun) {
+    for_pair_tokens<kPack>(runs, k_base, s.token, tokb, wire_k, wire_v, kNt ? 0 : 1, 0,
+                           [&](uint8_t* wk, uint8_t* wv, uint8_t* tok) {
+                             move<kPack, kNt>(wk, tok, static_cast<size_t>(tokb));
+                             move<kPack, kNt>(wv, tok + v_off, static_cast<size_t>(tokb));
+                           });
+    return;
+  }
+#ifdef KVB_HAVE_AVX2_TARGET
+  if (kNt && move_pair_heads_avx2<kPack>(runs, k_base, s, g, wire_k, wire_v, v_off)) return;
+#endif
+  const int64_t heads = g.num_heads, sh = s.head;
+  auto fixed = [&](auto size) {
+    constexpr int64_t kB = decltype(size)::value;
+    for_pair_tokens<kPack>(runs, k_base, s.token, tokb, wire_k, wire_v, kNt ? 0 : heads, sh,
+                           [&](uint8_t* wk, uint8_t* wv, uint8_t* tok) {
+                             move_pair_token<kPack, kNt, kB>(wk, wv, tok, heads, sh, v_off);
+                           });
+  };
+  switch (g.head_bytes) {
+    case 64:
+      return fixed(std::integral_constant<int64_t, 64>{});
+    case 128:
+      return fixed(std::integral_constant<int64_t, 128>{});
+    case 256:
+      return fixed(std::integral_constant<int64_t, 256>{});
+    case 512:
+      return fixed(std::integral_constant<int64_t, 512>{});
+    default:
+      for_pair_tokens<kPack>(runs, k_base, s.token, tokb, wire_k, wire_v, kNt ? 0 : heads, sh,
+                             [&](uint8_t* wk, uint8_t* wv, uint8_t* tok) {
+                               move_heads<kPack, kNt>(wk, tok, g, sh);
+                               move_heads<kPack, kNt>(wv, tok + v_off, g, sh);
+                             });
   }
 }
 
@@ -340,6 +600,82 @@ void move_slice(const Job& j, uint64_t lo, uint64_t hi) {
     }
     lo = blk_pos + bhi;
     ++blk;
+  }
+}
+
+// Whether every run of the plan is one span of the cache (tokens and heads
+// adjacent, as in kvbridge's own layouts): a checksummed slice is then copied
+// span by span in wire order, each span hashed by the loop that copies it.
+bool runs_contiguous(const Job& j) {
+  const Geometry& g = j.p->g;
+  for (int c = 0; c < g.num_components; ++c) {
+    if (token_shape(j, c) != TokenShape::kRun || j.c->comp[c].token != g.token_bytes) return false;
+  }
+  return true;
+}
+
+// Wire positions [lo, hi) of such a plan, through `h`: one read of each byte.
+// An unpack of kStreamHashedBytes or more writes the cache with streaming
+// stores (its pages are not read back soon; a pack's wire bytes are).
+template <bool kPack>
+void move_slice_hashed(const Job& j, uint64_t lo, uint64_t hi, Xxh3Stream& h) {
+  const bool stream = !kPack && hi - lo >= kStreamHashedBytes;
+  const Geometry& g = j.p->g;
+  const uint64_t blkb = static_cast<uint64_t>(g.block_bytes);
+  const uint64_t tokb = static_cast<uint64_t>(g.token_bytes);
+  for (uint64_t blk = lo / blkb; lo < hi; ++blk) {
+    const uint64_t blk_pos = blk * blkb;
+    const int64_t layer = g.layer_start + static_cast<int64_t>(blk) / g.num_components;
+    const int comp = static_cast<int>(static_cast<int64_t>(blk) % g.num_components);
+    const CompStrides& s = j.c->comp[comp];
+    uint8_t* comp_base = reinterpret_cast<uint8_t*>(j.c->at(layer, comp)) + g.head_start * s.head;
+    const std::vector<TokenRun>& runs = j.p->runs[comp];
+    const uint64_t blo = lo - blk_pos, bhi = std::min(hi - blk_pos, blkb);
+    auto it = std::upper_bound(runs.begin(), runs.end(), static_cast<int64_t>(blo / tokb),
+                               [](int64_t t, const TokenRun& r) { return t < r.t1; });
+    for (; it != runs.end() && static_cast<uint64_t>(it->t0) * tokb < bhi; ++it) {
+      const uint64_t r0 = static_cast<uint64_t>(it->t0) * tokb;
+      const uint64_t w0 = std::max(r0, blo);
+      const uint64_t w1 = std::min(static_cast<uint64_t>(it->t1) * tokb, bhi);
+      if (w0 >= w1) continue;
+      uint8_t* cache = comp_base + it->off + (w0 - r0);
+      uint8_t* wire = j.wire + (blk_pos + w0 - j.wire_offset);
+      if (kPack) {
+        h.update_copy(wire, cache, w1 - w0);
+      } else {
+        h.update_copy(cache, wire, w1 - w0, stream);
+      }
+    }
+    lo = blk_pos + bhi;
+  }
+}
+
+// Wire positions [lo, hi) of any other plan through `h`, in windows, each
+// copied and then hashed while in cache.  A layer whose K and V are copied in
+// one pass (move_pair) goes whole when its two blocks fit in cache.
+template <bool kPack>
+void move_slice_windowed(const Job& j, uint64_t lo, uint64_t hi, Xxh3Stream& h) {
+  const uint64_t pair = 2 * static_cast<uint64_t>(j.p->g.block_bytes);
+  const bool pairs = j.paired && pair > 0 && pair <= kPairHashBytes;
+  for (uint64_t w = lo; w < hi;) {
+    uint64_t e = std::min(hi, w + kHashWindow);
+    if (pairs) {
+      const uint64_t next = (w / pair + 1) * pair;
+      if (w % pair == 0 && w + pair <= hi) {
+        e = w + pair;
+      } else if (next < e) {
+        e = next;  // stop at the next layer, which may then go whole
+      }
+    }
+    const uint8_t* bytes = j.wire + (w - lo);
+    if (kPack) {
+      move_slice<kPack, false>(j, w, e);
+      h.update(bytes, e - w);
+    } else {
+      h.update(bytes, e - w);
+      move_slice<kPack, false>(j, w, e);
+    }
+    w = e;
   }
 }
 
@@ -394,29 +730,10 @@ int run_plan(const PlanInfo& p, uint64_t wire_offset, void* wire, uint64_t nbyte
   const uint64_t lo = wire_offset, hi = wire_offset + nbytes;
   if (digest != nullptr || expect != nullptr) {
     Xxh3Stream h;
-    // A layer whose K and V are copied in one pass (move_pair) goes whole when
-    // its two blocks fit in cache: copied, then hashed from there.
-    const uint64_t pair = 2 * static_cast<uint64_t>(p.g.block_bytes);
-    const bool pairs = j.paired && pair > 0 && pair <= kPairHashBytes;
-    for (uint64_t w = lo; w < hi;) {
-      uint64_t e = std::min(hi, w + kHashWindow);
-      if (pairs) {
-        const uint64_t next = (w / pair + 1) * pair;
-        if (w % pair == 0 && w + pair <= hi) {
-          e = w + pair;
-        } else if (next < e) {
-          e = next;  // stop at the next layer, which may then go whole
-        }
-      }
-      const uint8_t* bytes = j.wire + (w - lo);
-      if (kPack) {
-        move_slice<kPack, false>(j, w, e);
-        h.update(bytes, e - w);
-      } else {
-        h.update(bytes, e - w);
-        move_slice<kPack, false>(j, w, e);
-      }
-      w = e;
+    if (runs_contiguous(j)) {
+      move_slice_hashed<kPack>(j, lo, hi, h);
+    } else {
+      move_slice_windowed<kPack>(j, lo, hi, h);
     }
     const uint64_t d = h.digest();
     if (digest != nullptr) *digest = d;

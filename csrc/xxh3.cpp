@@ -132,6 +132,9 @@ uint64_t hash_short(const uint8_t* in, size_t len) {
 // hi32(d[i] ^ k[i]) with the key at secret + 8 n; scramble: acc ^= acc >> 47, ^= key, *= P32_1.
 using AccFn = void (*)(uint64_t* acc, const uint8_t* in, const uint8_t* sec, size_t stripes);
 using ScrambleFn = void (*)(uint64_t* acc, const uint8_t* sec);
+// accumulate the stripes of `src` while copying them to `dst` (one read of the bytes).
+using AccCopyFn = void (*)(uint64_t* acc, uint8_t* dst, const uint8_t* src, const uint8_t* sec,
+                           size_t stripes);
 
 void acc_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* sec, size_t stripes) {
   for (size_t n = 0; n < stripes; ++n) {
@@ -144,6 +147,12 @@ void acc_scalar(uint64_t* acc, const uint8_t* in, const uint8_t* sec, size_t str
       acc[i] += (dk & 0xFFFFFFFFu) * (dk >> 32);
     }
   }
+}
+
+void acc_copy_scalar(uint64_t* acc, uint8_t* dst, const uint8_t* src, const uint8_t* sec,
+                     size_t stripes) {
+  std::memcpy(dst, src, stripes * kStripe);
+  acc_scalar(acc, dst, sec, stripes);
 }
 
 void scramble_scalar(uint64_t* acc, const uint8_t* sec) {
@@ -187,6 +196,12 @@ __attribute__((target("sse2"))) void scramble_sse2(uint64_t* acc, const uint8_t*
   }
 }
 
+__attribute__((target("sse2"))) void acc_copy_sse2(uint64_t* acc, uint8_t* dst, const uint8_t* src,
+                                                   const uint8_t* sec, size_t stripes) {
+  std::memcpy(dst, src, stripes * kStripe);
+  acc_sse2(acc, dst, sec, stripes);
+}
+
 __attribute__((target("avx2"))) void acc_avx2(uint64_t* acc, const uint8_t* in, const uint8_t* sec,
                                               size_t stripes) {
   __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
@@ -222,6 +237,36 @@ __attribute__((target("avx2"))) void scramble_avx2(uint64_t* acc, const uint8_t*
 }
 
 // GCC 12 warns about its own _mm512_undefined_epi32() inside the intrinsics.
+template <bool kStream>
+__attribute__((target("avx2"))) void acc_copy_avx2(uint64_t* acc, uint8_t* dst, const uint8_t* src,
+                                                   const uint8_t* sec, size_t stripes) {
+  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
+  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + 1);
+  for (size_t n = 0; n < stripes; ++n) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(src + n * kStripe);
+    __m256i* q = reinterpret_cast<__m256i*>(dst + n * kStripe);
+    const __m256i* k = reinterpret_cast<const __m256i*>(sec + n * 8);
+    const __m256i d0 = _mm256_loadu_si256(p), d1 = _mm256_loadu_si256(p + 1);
+    if (kStream) {
+      _mm256_stream_si256(q, d0);
+      _mm256_stream_si256(q + 1, d1);
+    } else {
+      _mm256_storeu_si256(q, d0);
+      _mm256_storeu_si256(q + 1, d1);
+    }
+    const __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256(k));
+    const __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256(k + 1));
+    const __m256i p0 = _mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32));
+    const __m256i p1 = _mm256_mul_epu32(k1, _mm256_srli_epi64(k1, 32));
+    a0 = _mm256_add_epi64(a0,
+                          _mm256_add_epi64(p0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+    a1 = _mm256_add_epi64(a1,
+                          _mm256_add_epi64(p1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc), a0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + 1, a1);
+}
+
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -230,6 +275,27 @@ __attribute__((target("avx512f"))) void acc_avx512(uint64_t* acc, const uint8_t*
   __m512i a = _mm512_loadu_si512(acc);
   for (size_t n = 0; n < stripes; ++n) {
     const __m512i d = _mm512_loadu_si512(in + n * kStripe);
+    const __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512(sec + n * 8));
+    const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+    const __m512i swap =
+        _mm512_shuffle_epi32(d, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 0, 3, 2)));
+    a = _mm512_add_epi64(a, _mm512_add_epi64(prod, swap));
+  }
+  _mm512_storeu_si512(acc, a);
+}
+
+template <bool kStream>
+__attribute__((target("avx512f"))) void acc_copy_avx512(uint64_t* acc, uint8_t* dst,
+                                                        const uint8_t* src, const uint8_t* sec,
+                                                        size_t stripes) {
+  __m512i a = _mm512_loadu_si512(acc);
+  for (size_t n = 0; n < stripes; ++n) {
+    const __m512i d = _mm512_loadu_si512(src + n * kStripe);
+    if (kStream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + n * kStripe), d);
+    } else {
+      _mm512_storeu_si512(dst + n * kStripe, d);
+    }
     const __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512(sec + n * 8));
     const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
     const __m512i swap =
@@ -254,6 +320,8 @@ __attribute__((target("avx512f"))) void scramble_avx512(uint64_t* acc, const uin
 struct Kernels {
   AccFn acc;
   ScrambleFn scramble;
+  AccCopyFn acc_copy;
+  AccCopyFn acc_copy_stream;  // streaming stores; dst 64-byte aligned
 };
 
 // Kernel sets by number: 1 portable, 2 SSE2, 3 AVX2, 4 AVX-512 (0: the best
@@ -266,25 +334,25 @@ bool kernels_for(int which, Kernels* out) {
   if (which == 0) which = avx512 ? 4 : avx2 ? 3 : 2;
   switch (which) {
     case 1:
-      *out = {acc_scalar, scramble_scalar};
+      *out = {acc_scalar, scramble_scalar, acc_copy_scalar, acc_copy_scalar};
       return true;
     case 2:
-      *out = {acc_sse2, scramble_sse2};
+      *out = {acc_sse2, scramble_sse2, acc_copy_sse2, acc_copy_sse2};
       return true;
     case 3:
       if (!avx2) return false;
-      *out = {acc_avx2, scramble_avx2};
+      *out = {acc_avx2, scramble_avx2, acc_copy_avx2<false>, acc_copy_avx2<true>};
       return true;
     case 4:
       if (!avx512) return false;
-      *out = {acc_avx512, scramble_avx512};
+      *out = {acc_avx512, scramble_avx512, acc_copy_avx512<false>, acc_copy_avx512<true>};
       return true;
     default:
       return false;
   }
 #else
   if (which != 0 && which != 1) return false;
-  *out = {acc_scalar, scramble_scalar};
+  *out = {acc_scalar, scramble_scalar, acc_copy_scalar, acc_copy_scalar};
   return true;
 #endif
 }
@@ -323,6 +391,30 @@ void consume_stripes(uint64_t* acc, size_t* in_block, const uint8_t* in, size_t 
       *in_block = 0;
     }
   }
+}
+
+// consume_stripes, copying the stripes from `src` to `dst` as they are read.
+// With `stream`, streaming stores where `dst` is 64-byte aligned.
+void consume_copy_stripes(uint64_t* acc, size_t* in_block, uint8_t* dst, const uint8_t* src,
+                          size_t stripes, bool stream) {
+  const Kernels& k = kernels();
+  const AccCopyFn copy =
+      stream && (reinterpret_cast<uintptr_t>(dst) & 63) == 0 ? k.acc_copy_stream : k.acc_copy;
+  while (stripes > 0) {
+    const size_t take = std::min(stripes, kStripesPerBlock - *in_block);
+    copy(acc, dst, src, kSecret + *in_block * 8, take);
+    src += take * kStripe;
+    dst += take * kStripe;
+    stripes -= take;
+    *in_block += take;
+    if (*in_block == kStripesPerBlock) {
+      k.scramble(acc, kSecret + kSecretSize - kStripe);
+      *in_block = 0;
+    }
+  }
+#ifdef KVB_XXH3_X86
+  if (copy == k.acc_copy_stream && copy != k.acc_copy) _mm_sfence();  // order the streamed stores
+#endif
 }
 
 }  // namespace
@@ -376,6 +468,40 @@ void Xxh3Stream::update(const void* data, size_t n) {
     p += stripes * kStripe;
     n -= stripes * kStripe;
   }
+  std::memcpy(buffer_, p, n);
+  buffered_ = n;
+}
+
+// update(), with the bytes also copied to `dst`: the stripes hashed straight
+// from the input are copied by the same loop that hashes them.
+void Xxh3Stream::update_copy(void* dst, const void* src, size_t n, bool stream) {
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  const uint8_t* p = static_cast<const uint8_t*>(src);
+  if (buffered_ + n <= kBufferSize) {
+    if (n > 0) std::memcpy(d, p, n);
+    update(d, n);
+    return;
+  }
+  total_ += n;
+  if (buffered_ > 0) {
+    const size_t fill = kBufferSize - buffered_;
+    std::memcpy(d, p, fill);
+    std::memcpy(buffer_ + buffered_, p, fill);
+    p += fill;
+    d += fill;
+    n -= fill;
+    consume(buffer_, kBufferSize / kStripe);
+    buffered_ = 0;
+  }
+  if (n > kBufferSize) {
+    const size_t stripes = (n - 1) / kStripe;
+    consume_copy_stripes(acc_, &stripes_in_block_, d, p, stripes, stream);
+    std::memcpy(last_stripe_, d + (stripes - 1) * kStripe, kStripe);
+    p += stripes * kStripe;
+    d += stripes * kStripe;
+    n -= stripes * kStripe;
+  }
+  std::memcpy(d, p, n);
   std::memcpy(buffer_, p, n);
   buffered_ = n;
 }

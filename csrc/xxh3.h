@@ -14,6 +14,10 @@ class Xxh3Stream {
  public:
   Xxh3Stream();
   void update(const void* data, size_t n);
+  // update() with the n bytes of `src`, also copied to `dst` (not overlapping
+  // `src`) in the same pass.  `stream`: write the bulk of `dst` with streaming
+  // stores (for a destination not read back soon), fenced before returning.
+  void update_copy(void* dst, const void* src, size_t n, bool stream = false);
   uint64_t digest() const;
 
  private:

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--libs",
         default="kvbridge,raw,mooncake",
-        help="vs Mooncake: rows (kvbridge,kvbridge-2pass,raw,mooncake)",
+        help="vs Mooncake: rows (kvbridge,kvbridge-pack,kvbridge-2pass,raw,mooncake)",
     )
     p.add_argument("--scenarios", default="bulk,pages", help="vs Mooncake: bulk, pages")
     p.add_argument(
@@ -202,9 +202,11 @@ def _vs_mooncake(args: argparse.Namespace, load: str) -> list[dict[str, Any]]:
     )  # fmt: skip
     out: list[dict[str, Any]] = []
     for scen in scens:
-        # the two-pass row differs from kvbridge's only where a KV source packs
+        # the two-pass and packed rows differ from kvbridge's only for a KV source
         rows = [
-            r for r in tp.rows_for(libs, args.streams) if not scen.bulk or r.opts.get("one_pass", 1)
+            r
+            for r in tp.rows_for(libs, args.streams)
+            if not scen.bulk or (r.opts.get("one_pass", 1) and r.opts.get("zero_copy", 1))
         ]
         for _ in range(args.rounds):
             for row in rows:

@@ -39,7 +39,7 @@ from .compare_peers import MOONCAKE_BATCH, Scenario, _buffer, _digest, _kvb_cach
 
 __all__ = ["Row", "rows_for", "run_one"]
 
-LIBS = ("kvbridge", "kvbridge-2pass", "raw", "mooncake")
+LIBS = ("kvbridge", "kvbridge-pack", "kvbridge-2pass", "raw", "mooncake")
 
 
 @dataclass
@@ -66,6 +66,16 @@ def rows_for(libs: list[str], streams: int) -> list[Row]:
                 "kvbridge",
                 {"streams": streams},
                 f"{streams} streams, chunks fitted (4 MiB), compression off, checksums on",
+            )
+        )
+    if "kvbridge-pack" in libs:
+        out.append(
+            Row(
+                "kvb packed",
+                "kvbridge",
+                {"streams": streams, "zero_copy": False},
+                "as kvbridge TCP, but the sender packs each KV chunk (checksum in the pack's "
+                "copy) instead of writing the pages themselves (an experiment row, pages only)",
             )
         )
     if "kvbridge-2pass" in libs:
@@ -101,11 +111,18 @@ def rows_for(libs: list[str], streams: int) -> list[Row]:
 
 # ---- kvbridge TCP -----------------------------------------------------------------------
 def _ends(
-    scen: Scenario, buf: np.ndarray, bt: np.ndarray, sink: bool, one_pass: bool = True
+    scen: Scenario,
+    buf: np.ndarray,
+    bt: np.ndarray,
+    sink: bool,
+    one_pass: bool = True,
+    zero_copy: bool = True,
 ) -> Any:
     """The kvbridge source or sink of ``scen`` over ``buf`` (``one_pass=False``:
-    a KV end without its checksum in the copy, so that the transport hashes
-    each chunk in a pass of its own)."""
+    a KV end without its checksum in the copy, so that the transport packs
+    each chunk and hashes it in a pass of its own; ``zero_copy=False``: a
+    source that packs each chunk, its checksum in the pack's copy, instead
+    of lending its pages)."""
     from ..pack import PagedKVCache
     from ..transport.tcp import BytesSource, KVSink, KVSource
     from .transfer_bench import _ReuseSink
@@ -119,8 +136,11 @@ def _ends(
         lay.dtype, _kvb_cache(buf, scen).dtype
     )
     cache = PagedKVCache(lay, buf.view(dt).reshape(lay.cache_shape(scen.num_pages)))
-    cls = KVSink if sink else KVSource
-    end = cls(cache, bt, scen.start, scen.end, None)
+    end = (
+        KVSink(cache, bt, scen.start, scen.end, None)
+        if sink
+        else KVSource(cache, bt, scen.start, scen.end, None, zero_copy=zero_copy and one_pass)
+    )
     if not one_pass:
         for name in ("read_checksummed", "write_checksummed"):
             if name in vars(end):
@@ -169,7 +189,14 @@ def _kvb_sender(
         await tx.connect()
         times = []
         for i in range(iters + 1):
-            src = _ends(scen, buf, scen.src_bt, False, opts.get("one_pass", True))
+            src = _ends(
+                scen,
+                buf,
+                scen.src_bt,
+                False,
+                opts.get("one_pass", True),
+                opts.get("zero_copy", True),
+            )
             t = time.perf_counter()
             await tx.send(f"it{i}", src, token=tokens[i], timeout=600).wait(600)
             times.append(time.perf_counter() - t)

@@ -23,7 +23,7 @@ import zstandard
 from ..errors import ChecksumError, DecompressError, InvalidArgument, RemoteProtocolError
 from .frames import ChunkCodec
 
-__all__ = ["checksum", "decode_chunk", "encode_chunk", "shuffle2", "unshuffle2"]
+__all__ = ["checksum", "checksum_parts", "decode_chunk", "encode_chunk", "shuffle2", "unshuffle2"]
 
 _LOCAL = threading.local()  # zstd contexts are not thread-safe: one per thread
 
@@ -44,6 +44,17 @@ def _zstd_c() -> zstandard.ZstdCompressor:
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
+
+
+def checksum_parts(parts: list[memoryview]) -> int:
+    """The checksum of the concatenation of ``parts``, without joining them
+    (XXH3-64 streamed over each part in turn equals it over the whole)."""
+    if len(parts) == 1:
+        return checksum(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return int(h.intdigest())
 
 
 def shuffle2(raw: bytes | bytearray | memoryview) -> bytes:

@@ -39,6 +39,7 @@ from .frames import (
     Data,
     DataHead,
     FrameType,
+    Gathered,
     Message,
     data_head_check,
     decode_data_head,
@@ -68,6 +69,8 @@ def encode_frame_parts(msg: Message, version: int = PROTOCOL_VERSION) -> list[by
     head = HEADER.pack(MAGIC, version, ftype, flags, length) + payload
     if checked:  # the header check covers the 56 bytes before it (protocol.md 5.9)
         head += _U64.pack(xxhash.xxh3_64_intdigest(head))
+    if isinstance(extra, Gathered):
+        return [head, *extra.parts]
     return [head, extra] if len(extra) else [head]
 
 

@@ -120,6 +120,7 @@ __all__ = [  # noqa: RUF022  (grouped as in docs/protocol.md)
     "Open",
     "Resume",
     "Data",
+    "Gathered",
     "Ack",
     "Nack",
     "Abort",
@@ -211,6 +212,26 @@ class Resume:
     held: tuple[tuple[int, int], ...]
 
 
+class Gathered:
+    """A DATA body given as several buffers, on the sending side only: the
+    body is their concatenation (``len`` is its length), written with the
+    frame's header in one gathering write, never joined into one buffer.
+    A source that lends its bytes as runs of memory (the pages of a KV
+    cache) is sent this way; the wire is the same as for one buffer."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        self.parts = parts
+        self.nbytes = sum(len(p) for p in parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.parts)
+
+
 @dataclass(frozen=True)
 class Data:
     transfer_id: int
@@ -220,7 +241,7 @@ class Data:
     codec: int
     shuffle: int
     checksum: int
-    data: memoryview | bytes = field(repr=False)
+    data: memoryview | bytes | Gathered = field(repr=False)
     # set by a receiving FrameDecoder, never encoded: the XXH3-64 of ``data``
     # computed as the bytes arrived (None: not computed), and whether ``data``
     # is a view of the destination that a placement callback handed out

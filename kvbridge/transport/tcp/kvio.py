@@ -13,6 +13,7 @@ whole transfer ever exists.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -56,6 +57,17 @@ class Sink(Protocol):
 # ``view`` lends bytes that are already in wire form (no copy at all); ``read``
 # hands over a buffer in which the source wrote every byte, so the transport
 # need not zero-fill one for ``read_into`` first (a whole memory pass per chunk).
+#
+# Or, when its bytes sit in its own memory as runs of some length (the pages
+# of a KV cache), it may offer
+#
+#     def views(self, offset: int, n: int) -> list[memoryview] | None
+#
+# the runs themselves, in order, their concatenation the bytes
+# ``[offset, offset + n)`` (None: not for this slice; the transport then packs
+# it as without ``views``).  The transport hashes the runs and writes them
+# with the frame header in one gathering write: no copy but the kernel's.
+# As with ``view``, the bytes must stay unchanged until the transfer ends.
 #
 # A source with ``read`` that fills a small buffer without blocking (a CPU
 # pack, not a wait for a device) may say so with ``read_on_loop = True``: the
@@ -241,10 +253,32 @@ class KVSource(_KVBase):
     (the device-to-host copy is part of the pack kernel's output), and waits
     for it."""
 
-    def __init__(self, *a: Any, **kw: Any) -> None:
+    def __init__(self, *a: Any, zero_copy: bool = True, **kw: Any) -> None:
         super().__init__(*a, **kw)
         if self._one_pass:
             self.read_checksummed = self._read_checksummed
+        self._runs = _memory_runs(self) if zero_copy and self._one_pass else None
+        if self._runs is not None:
+            self.views = self._views
+
+    def _views(self, offset: int, n: int) -> list[memoryview]:
+        """The runs of cache memory that hold the wire bytes ``[offset,
+        offset + n)``, in wire order (no copy: views of the cache's arrays)."""
+        _check(offset, n, self.nbytes)
+        self._wait_ready(offset, n)
+        assert self._runs is not None
+        starts, lengths, bufs, mems, mvs = self._runs
+        i = bisect.bisect_right(starts, offset) - 1
+        out: list[memoryview] = []
+        pos, end = offset, offset + n
+        while pos < end:
+            a = pos - starts[i]
+            take = min(lengths[i] - a, end - pos)
+            m = mems[i] + a
+            out.append(mvs[bufs[i]][m : m + take])
+            pos += take
+            i += 1
+        return out
 
     @property
     def read_on_loop(self) -> bool:
@@ -292,6 +326,97 @@ class KVSource(_KVBase):
     def _pack_to(self, out: Any, offset: int, n: int) -> None:
         self._wait_ready(offset, n)
         self.range.pack(out, offset=offset, nbytes=n, num_threads=self.num_threads)
+
+
+MIN_VIEW_RUN = 32 << 10  # a source lends its pages when its runs average at least this
+
+
+def _host_buffers(cache: Any) -> list[tuple[int, memoryview]] | None:
+    """(address, bytes) of each array the cache's memory lives in: numpy
+    arrays or CPU torch tensors, C-contiguous (None otherwise)."""
+    out = []
+    for a in cache.layer_views():
+        if isinstance(a, np.ndarray):
+            arr = a
+        else:
+            try:
+                import torch
+            except ImportError:
+                return None
+            if not isinstance(a, torch.Tensor) or a.device.type != "cpu" or not a.is_contiguous():
+                return None
+            arr = a.detach().reshape(-1).view(torch.uint8).numpy()
+        if not arr.flags.c_contiguous:
+            return None
+        out.append((int(arr.__array_interface__["data"][0]), arr.reshape(-1).view(np.uint8).data))
+    return out
+
+
+def _memory_runs(src: _KVBase) -> Any:
+    """Where ``src``'s wire bytes sit in the cache's memory, as runs in wire
+    order (wire ``[layer][component][token][head][head_dim]``): per run its
+    wire offset, length, buffer and offset in that buffer (Python lists, for
+    the per-chunk lookups), and the buffers.  None when a token's heads are
+    not contiguous in memory, when the runs average under ``MIN_VIEW_RUN``
+    bytes (packing them is then cheaper), or for memory other than host
+    arrays."""
+    cache = src.cache
+    if getattr(cache, "is_cuda", False) or src.nbytes == 0:
+        return None
+    bufs = _host_buffers(cache)
+    if not bufs:
+        return None
+    lay = cache.layout
+    h0, h1 = src.heads
+    hs, nh, hb = h0 - lay.head_start, h1 - h0, lay.head_bytes
+    row = nh * hb  # one token of one layer and component on the wire
+    pt, start, end = lay.page_tokens, src.start, src.end
+    r, bt_tok = cache.block_ratio, cache.block_tokens
+    table = np.asarray(src.block_table).reshape(-1).astype(np.int64)
+    fb = start // bt_tok
+    kernel = (table[fb : (end - 1) // bt_tok + 1, None] * r + np.arange(r)).reshape(-1)
+    lps = np.arange(start // pt, (end - 1) // pt + 1, dtype=np.int64)
+    phys = kernel[lps - fb * r]
+    t0 = np.maximum(start - lps * pt, 0)
+    t1 = np.minimum(end - lps * pt, pt)
+    mem_parts, len_parts, buf_parts = [], [], []
+    ptrs, strides = cache.component_ptrs, cache.strides
+    for layer in range(*src.layers):
+        for c in range(lay.num_components):
+            s = strides[c]
+            if s.elem != lay.itemsize or (nh > 1 and s.head != hb):
+                return None  # a token's heads are not one contiguous row
+            base = ptrs[layer][c] + hs * s.head
+            if s.token == row:  # the tokens of a page are contiguous
+                mem = base + phys * s.page + t0 * s.token
+                ln = (t1 - t0) * row
+            else:  # one run per token
+                tok = np.arange(start, end, dtype=np.int64)
+                mem = base + phys[tok // pt - lps[0]] * s.page + (tok % pt) * s.token
+                ln = np.full(tok.size, row, dtype=np.int64)
+            inside = [
+                i
+                for i, (addr, mv) in enumerate(bufs)
+                if (mem - addr).min() >= 0 and (mem - addr + ln).max() <= len(mv)
+            ]
+            if not inside:
+                return None
+            i = inside[0]
+            off = mem - bufs[i][0]
+            mem_parts.append(off)
+            len_parts.append(ln)
+            buf_parts.append(np.full(off.size, i, dtype=np.int64))
+    mem, ln, buf = (np.concatenate(x) for x in (mem_parts, len_parts, buf_parts))
+    # coalesce neighbours that are adjacent in the same buffer
+    head = np.ones(mem.size, dtype=bool)
+    head[1:] = (buf[1:] != buf[:-1]) | (mem[1:] != mem[:-1] + ln[:-1])
+    idx = np.flatnonzero(head)
+    ln = np.add.reduceat(ln, idx)
+    mem, buf = mem[idx], buf[idx]
+    if src.nbytes / mem.size < MIN_VIEW_RUN:
+        return None
+    starts = np.concatenate(([0], np.cumsum(ln)[:-1]))
+    return starts.tolist(), ln.tolist(), buf.tolist(), mem.tolist(), [mv for _, mv in bufs]
 
 
 class KVSink(_KVBase):

@@ -17,8 +17,8 @@ import asyncio
 from concurrent.futures import Executor
 from typing import Any
 
-from ...wire.chunk import encode_chunk
-from ...wire.frames import Capability, ChunkCodec
+from ...wire.chunk import checksum_parts, encode_chunk
+from ...wire.frames import Capability, ChunkCodec, Gathered
 from .compress import CompressionDecision, CompressionPolicy
 from .kvio import Source
 
@@ -147,6 +147,11 @@ def read_chunk(source: Source, off: int, n: int) -> Any:
 
 def _read_and_encode(source: Source, off: int, n: int, codec: int, shuffle: int) -> tuple[Any, int]:
     if codec == ChunkCodec.RAW and not shuffle:
+        views = getattr(source, "views", None)
+        if views is not None:  # runs of the source's own memory: hashed, never copied
+            parts = views(off, n)
+            if parts is not None:
+                return Gathered(parts), checksum_parts(parts)
         one_pass = getattr(source, "read_checksummed", None)
         if one_pass is not None:  # the bytes and their checksum from one pass
             data, ck = one_pass(off, n)

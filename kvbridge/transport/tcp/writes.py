@@ -21,7 +21,7 @@ from typing import Any
 
 from ...errors import DecompressError
 from ...wire.chunk import decode_chunk
-from ...wire.frames import ChunkCodec, Data
+from ...wire.frames import ChunkCodec, Data, Gathered
 from .kvio import Sink
 
 __all__ = ["INLINE_BYTES", "WriteQueue", "decode_and_write", "verifies_in_copy"]
@@ -94,13 +94,15 @@ def decode_and_write(sink: Sink, m: Data, pieces: tuple[tuple[int, int], ...]) -
     is written whole into a sink with ``write_checksummed`` is checked in
     that one pass."""
     a, b = m.offset, m.offset + m.raw_length
+    data = m.data
+    assert not isinstance(data, Gathered)  # only a sender's frames are gathered
     whole = len(pieces) == 1 and pieces[0] == (a, b)
     if whole and m.digest is None and verifies_in_copy(sink, m.codec, m.shuffle):
         if m.wire_length != m.raw_length:
             raise DecompressError(f"raw chunk of {m.wire_length} bytes, expected {m.raw_length}")
-        sink.write_checksummed(a, m.data, m.checksum)  # type: ignore[attr-defined]
+        sink.write_checksummed(a, data, m.checksum)  # type: ignore[attr-defined]
         return
-    raw = decode_chunk(m.data, m.raw_length, m.codec, m.shuffle, m.checksum, m.digest)
+    raw = decode_chunk(data, m.raw_length, m.codec, m.shuffle, m.checksum, m.digest)
     if whole:
         sink.write(a, raw)
         return
