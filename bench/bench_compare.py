@@ -59,6 +59,7 @@ def test_compare_small(benchmark: Any) -> None:
             args.timeout,
             verbose=False,
             put_windows=(0,),
+            poll_yields=(20,),
         )
 
     rows = benchmark.pedantic(once, rounds=1, iterations=1)
@@ -66,7 +67,12 @@ def test_compare_small(benchmark: Any) -> None:
     for r in rows:
         assert "error" not in r, r
         assert r["ok"], r
-    assert {r["row"] for r in rows} >= {"kvbridge", "kvbridge peer", "kvbridge window=0"}
+    assert {r["row"] for r in rows} >= {
+        "kvbridge",
+        "kvbridge peer",
+        "kvbridge window=0",
+        "kvbridge yield=20",
+    }
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kvbridge.cli import latency
+from kvbridge.errors import KVBridgeError
 
 
 @pytest.mark.ucx
@@ -28,6 +29,56 @@ def test_latency_small() -> None:
     for c in cfgs:
         assert not c.error, (c.name, c.error)
         assert len(c.samples) == 20, c.name
+
+
+def test_latency_rows() -> None:
+    """Every busy_poll_us x poll_yield_us pair gets an awaiting row, every
+    poll_yield_us a polling row; the first values are the unmarked defaults."""
+    cfgs = latency.configs(["tcp"], ["kvb-ucx", "kvb-ucx-poll"], [1000, 200], [0, 20])
+    names = [c.name for c in cfgs]
+    assert names == [
+        "kvbridge UCX tcp",
+        "kvbridge UCX tcp y=20",
+        "kvbridge UCX tcp bp=200",
+        "kvbridge UCX tcp bp=200 y=20",
+        "kvbridge UCX tcp poll",
+        "kvbridge UCX tcp poll y=20",
+    ]
+    assert cfgs[3].opts == {"busy_poll_us": 200, "poll_yield_us": 20}
+    assert cfgs[5].opts == {"busy_poll_us": 1000, "poll_yield_us": 20, "mode": "poll"}
+
+
+def test_trace_steps() -> None:
+    """Each leg's steps from both sides' stamps (seconds); a leg whose
+    expect resolved before the other side's send() was called is refused."""
+    a = [(1.0, 1.000010, 1.000050, 1.000052)]
+    b = [(1.000008, 1.000012, 1.000030)]
+    steps, half = latency.trace_steps(a, b)
+    us = [round(x, 3) for _, x in steps]
+    assert us == [10.0, -2.0, 4.0, 18.0, 20.0, 2.0]
+    assert round(sum(us), 3) == round(2 * half, 3) == 52.0
+    with pytest.raises(KVBridgeError, match="out of order"):
+        latency.trace_steps(a, [(0.999, 1.000012, 1.000030)])  # landed before it was sent
+    with pytest.raises(KVBridgeError, match="out of order"):
+        latency.trace_steps([(1.0, 1.000010, 1.000011, 1.000052)], b)  # before B's send()
+
+
+@pytest.mark.ucx
+@pytest.mark.parametrize("mode", ["await", "poll"])
+def test_ucx_trace_two_processes(mode: str) -> None:
+    """The two-process timeline of --breakdown: six steps per leg, stamped on
+    the clock both processes share, in causal order (ucx_trace raises
+    otherwise)."""
+    from kvbridge.transport import ucx
+
+    if not ucx.available():
+        pytest.skip(ucx.unavailable_reason())
+    steps, half = latency.ucx_trace("tcp,sm", 4096, 40, mode, {}, 60.0)
+    assert [name for name, _ in steps] == list(latency.UCX_TRACE_STEPS)
+    assert half > 0
+    assert all(us == us for _, us in steps)  # no NaN
+    # the legs' medians: the two loop hops and the two send() calls are real time
+    assert steps[0][1] > 0 and steps[3][1] > 0
 
 
 if __name__ == "__main__":

@@ -77,9 +77,12 @@ class Row:
     corrupt: int = 0
 
 
-def rows_for(libs: list[str], put_windows: tuple[int, ...] = ()) -> list[Row]:
+def rows_for(
+    libs: list[str], put_windows: tuple[int, ...] = (), poll_yields: tuple[int, ...] = ()
+) -> list[Row]:
     """The rows of ``libs``; every value of ``put_windows`` adds a kvbridge
-    row with that ``put_window`` (0: no limit)."""
+    row with that ``put_window`` (0: no limit), every value of
+    ``poll_yields`` one with that ``poll_yield_us``."""
     out: list[Row] = []
     if "kvbridge" in libs:
         out.append(
@@ -89,7 +92,7 @@ def rows_for(libs: list[str], put_windows: tuple[int, ...] = ()) -> list[Row]:
                 {},
                 {},
                 "defaults: error_mode=none, 256k TCP segments, progress=thread, "
-                "busy_poll_us=1000, put_window=64",
+                "busy_poll_us=1000, poll_yield_us=0, put_window=64",
             )
         )
         out.append(Row("kvbridge peer", "kvbridge", {}, {"error_mode": "peer"}, "error_mode=peer"))
@@ -101,6 +104,16 @@ def rows_for(libs: list[str], put_windows: tuple[int, ...] = ()) -> list[Row]:
                     {},
                     {"put_window": w},
                     f"defaults but put_window={w}" + (" (no limit)" if w == 0 else ""),
+                )
+            )
+        for y in poll_yields:
+            out.append(
+                Row(
+                    f"kvbridge yield={y}",
+                    "kvbridge",
+                    {},
+                    {"poll_yield_us": y},
+                    f"defaults but poll_yield_us={y}",
                 )
             )
     if "nixl" in libs:
@@ -190,6 +203,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--put-windows",
         default="",
         help="comma list of put_window values: one more kvbridge row each (0: no limit)",
+    )
+    p.add_argument(
+        "--poll-yield-us",
+        default="",
+        help="comma list of poll_yield_us values: one more kvbridge row each",
     )
 
 
@@ -443,6 +461,7 @@ def compare(
     loads: tuple[str, ...] = ("idle",),
     verbose: bool = True,
     put_windows: tuple[int, ...] = (),
+    poll_yields: tuple[int, ...] = (),
 ) -> list[dict[str, Any]]:
     """Every row of every (load, scenario, setting).  The rows' processes
     stay up together and take turns: ``rounds`` rounds of one burst of
@@ -453,7 +472,7 @@ def compare(
         with spinning_core(load == "busy"):
             for scen in scens:
                 for setting in settings:
-                    rows = rows_for(libs, put_windows)
+                    rows = rows_for(libs, put_windows, poll_yields)
                     pairs = _start_pairs(rows, scen, setting, timeout)
                     try:
                         for r in range(rounds):
@@ -588,6 +607,7 @@ def run(args: Any) -> int:
         args.rounds,
         tuple(x for x in args.loads.split(",") if x),
         put_windows=tuple(int(x) for x in args.put_windows.split(",") if x),
+        poll_yields=tuple(int(x) for x in args.poll_yield_us.split(",") if x),
     )
     print(format_table(results))
     return 0 if all(r.get("ok", False) for r in results) else 1

@@ -70,13 +70,14 @@ def configs(
     poll_yield_us: list[int] | None = None,
     baseline: str | None = None,
 ) -> list[Config]:
-    """The rows: every ``busy_poll_us`` value (awaiting), then every further
-    ``poll_yield_us`` value (awaiting, the first busy_poll_us), then the
-    polling row, per UCX_TLS; the first value of each list is the default.
+    """The rows: every combination of a ``busy_poll_us`` and a
+    ``poll_yield_us`` value (awaiting), then a polling row per
+    ``poll_yield_us`` value (the first busy_poll_us), per UCX_TLS; the
+    first value of each list is the default.
     ``baseline``: a kvbridge source tree whose TCP row runs beside the
     current one."""
     polls = [busy_poll_us] if isinstance(busy_poll_us, int) else list(busy_poll_us)
-    yields = list(poll_yield_us or [20])
+    yields = list(poll_yield_us or [0])
     out = []
     if "uvloop" in libs:
         out.append(Config("uvloop ping-pong", "uvloop", {}, {}, "asyncio streams, TCP_NODELAY"))
@@ -93,7 +94,7 @@ def configs(
                 )
             )
     for tls in tls_list:
-        ucx_rows = [(bp, yields[0]) for bp in polls] + [(polls[0], y) for y in yields[1:]]
+        ucx_rows = [(bp, y) for bp in polls for y in yields]
         for bp, py in ucx_rows if "kvb-ucx" in libs else []:
             suffix = "" if bp == polls[0] else f" bp={bp}"
             suffix += "" if py == yields[0] else f" y={py}"
@@ -108,14 +109,15 @@ def configs(
                     tls,
                 )
             )
-        if "kvb-ucx-poll" in libs:
+        for py in yields if "kvb-ucx-poll" in libs else []:
+            suffix = "" if py == yields[0] else f" y={py}"
             out.append(
                 Config(
-                    f"kvbridge UCX {tls} poll",
+                    f"kvbridge UCX {tls} poll{suffix}",
                     "kvb-ucx",
                     UCX_ENV[tls],
-                    {"busy_poll_us": polls[0], "poll_yield_us": yields[0], "mode": "poll"},
-                    f"polls done(); busy_poll_us={polls[0]}, poll_yield_us={yields[0]}, "
+                    {"busy_poll_us": polls[0], "poll_yield_us": py, "mode": "poll"},
+                    f"polls done(); busy_poll_us={polls[0]}, poll_yield_us={py}, "
                     "progress=thread, error_mode=none",
                     tls,
                 )
@@ -278,7 +280,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--poll-yield-us",
-        default="20",
+        default="0",
         help="kvbridge UCX poll_yield_us: a comma list gives one row each (the first is the default)",
     )
     p.add_argument("--busy", action="store_true", help="also measure with one core kept busy")
@@ -294,7 +296,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a kvbridge source tree whose TCP rows (and breakdown) run beside the current ones",
     )
     p.add_argument(
-        "--trace-count", type=int, default=300, help="transfers traced by --breakdown (TCP)"
+        "--trace-count", type=int, default=300, help="transfers traced by --breakdown (TCP, UCX)"
     )
     p.add_argument("--timeout", type=float, default=120.0)
 
@@ -342,6 +344,19 @@ def run(args: Any) -> int:
                 print(f"# where the time goes: UCX_TLS={t}, {size} bytes, one process")
                 for name, us in rows:
                     print(f"  {name:<44} {us:8.2f} us")
+                first = {
+                    "busy_poll_us": int(str(args.busy_poll_us).split(",")[0]),
+                    "poll_yield_us": int(str(args.poll_yield_us).split(",")[0]),
+                }
+                for mode in ("await", "poll"):
+                    steps, half = ucx_trace(t, size, args.trace_count, mode, first, args.timeout)
+                    print(
+                        f"# where the time goes: UCX_TLS={t}, {size} bytes, two processes "
+                        f"ping-ponging ({mode}; {first}), median of {args.trace_count} legs "
+                        f"less the first fifth: half a round trip {half:.1f} us"
+                    )
+                    for name, us in steps:
+                        print(f"  {name:<66} {us:8.1f} us")
     return 0 if ok else 1
 
 
@@ -466,3 +481,62 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
 
     asyncio.run(main())
     return out
+
+
+# ---- where the time goes: one small UCX put, two processes, on their shared clock ---------------
+UCX_TRACE_STEPS = (
+    "A: send() call, returned (put, flush, DONE posted inline)",
+    "A: send() returned -> B: expect resolved (DONE seen, accounted)",
+    "B: expect resolved -> B: task resumed (loop hop)",
+    "B: send() call, returned",
+    "B: send() returned -> A: expect resolved",
+    "A: expect resolved -> A: task resumed",
+)
+
+
+def ucx_trace(
+    tls: str, size: int, count: int, mode: str, opts: dict[str, Any], timeout: float
+) -> tuple[list[tuple[str, float]], float]:
+    """Ping-pong ``count`` legs of ``size`` bytes between two processes over
+    ``UCX_TLS=tls`` (``mode`` "await" or "poll"), each side stamping its
+    steps on the monotonic clock they share (latency_peers._kvb_ucx_trace).
+    Returns the median microseconds of each of UCX_TRACE_STEPS (the first
+    fifth of the legs dropped as warm-up) and the median half round trip."""
+    cfg = Config("kvbridge UCX traced", "kvb-ucx-trace", UCX_ENV[tls], {**opts, "mode": mode}, "")
+    pair = Pair(cfg, size, count)
+    try:
+        pair.start(timeout)
+        a, b = pair.burst_both(count, timeout)
+    finally:
+        pair.close()
+    return trace_steps(a[1][count // 5 :], b[1][count // 5 :])
+
+
+def trace_steps(
+    a_legs: list[tuple[float, ...]], b_legs: list[tuple[float, ...]]
+) -> tuple[list[tuple[str, float]], float]:
+    """The median of each of UCX_TRACE_STEPS and of half a round trip, in
+    microseconds, from side A's stamps (send() called, returned, its expect
+    resolved, its task resumed) and side B's (its expect resolved, send()
+    called, returned) of the same legs; raises KVBridgeError for a leg whose
+    stamps are out of causal order."""
+    legs = list(zip(a_legs, b_legs, strict=True))
+    if not legs:
+        raise KVBridgeError("UCX trace: no legs")
+    steps: list[list[float]] = [[] for _ in UCX_TRACE_STEPS]
+    half = []
+    for (a0, a1, a_he, a_back), (b_he, b0, b1) in legs:
+        # (a DONE is posted inside send(): the other side may see it before
+        # that call returns, never before it was made)
+        if not (a0 <= a1 and a0 <= b_he <= b0 <= b1 and b0 <= a_he <= a_back):
+            raise KVBridgeError(
+                "UCX trace: a leg's stamps are out of order (each expect must resolve after "
+                f"the other side's send() was called): A {a0, a1, a_he, a_back}, B {b_he, b0, b1}"
+            )
+        for i, d in enumerate((a1 - a0, b_he - a1, b0 - b_he, b1 - b0, a_he - b1, a_back - a_he)):
+            steps[i].append(d)
+        half.append((a_back - a0) / 2)
+    rows = [
+        (name, statistics.median(xs) * 1e6) for name, xs in zip(UCX_TRACE_STEPS, steps, strict=True)
+    ]
+    return rows, statistics.median(half) * 1e6

@@ -143,6 +143,72 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     run(main())
 
 
+# ---- kvbridge UCX, traced: where the time of one small put goes, over two processes ----------
+def _kvb_ucx_trace(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    """Side 0 (A) and side 1 (B) ping-pong as in ``_kvb_ucx``, stamping on
+    the monotonic clock both processes share: A's ``send()`` called and
+    returned, each expect resolved (``stats.finished``), each task resumed
+    after it, B's ``send()`` called and returned."""
+    from ..transport.tcp import run
+    from ..transport.ucx import UcxAgent
+
+    lay = page_layout(size)
+    opts = dict(opts)
+    polling = opts.pop("mode", "await") == "poll"
+    now = time.monotonic
+
+    async def finished(h: Any) -> None:
+        if polling:
+            end = now() + 30.0
+            while not h.done():
+                if now() > end:
+                    raise TransferTimeout(f"{h.request_id!r} not done in 30 s")
+        await h
+
+    async def main() -> None:
+        cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+        agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
+        conn.send(("info", agent.metadata()))
+        other = conn.recv()
+        peer = await agent.connect(other) if role == 0 else None
+        conn.send(("ready",))
+        if role == 1:
+            while not agent.peers:
+                await asyncio.sleep(0.001)
+            peer = agent.peers[0]
+        assert peer is not None
+        src, dst = np.array([1]), np.array([0])
+        me, them = ("a", "b") if role == 0 else ("b", "a")
+        seq = 0
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd = await loop.run_in_executor(None, conn.recv)
+            if cmd[0] == "quit":
+                break
+            stamps: list[tuple[float, ...]] = []
+            for _ in range(cmd[1]):
+                he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
+                if role == 0:
+                    t0 = now()
+                    hs = peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
+                    t1 = now()
+                    await finished(hs)
+                    await finished(he)
+                    stamps.append((t0, t1, he.stats.finished, now()))
+                else:
+                    await finished(he)
+                    t0 = now()
+                    hs = peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
+                    t1 = now()
+                    await finished(hs)
+                    stamps.append((he.stats.finished, t0, t1))
+                seq += 1
+            conn.send(("samples", stamps, []))
+        await agent.close()
+
+    run(main())
+
+
 # ---- kvbridge TCP -----------------------------------------------------------------------
 def _kvb_tcp(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.tcp import BytesSink, BytesSource, TcpReceiver, TcpSender, run
@@ -408,6 +474,7 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
 
 _SIDES = {
     "kvb-ucx": _kvb_ucx,
+    "kvb-ucx-trace": _kvb_ucx_trace,
     "kvb-tcp": _kvb_tcp,
     "kvb-tcp-trace": _kvb_tcp_trace,
     "uvloop": _uvloop,

@@ -124,7 +124,7 @@ class UcxAgent:
         progress: str = "thread",
         busy_poll_us: int = 1000,
         put_window: int = 64,
-        poll_yield_us: int = 20,
+        poll_yield_us: int = 0,
         config: dict[str, str] | None = None,
         packer: Any = None,
     ) -> None:
