@@ -1,6 +1,7 @@
 // CPU pack/unpack: memcpy over coalesced runs, the slice split across threads;
 // with a checksum, one thread copies and hashes window by window.
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <thread>
@@ -27,9 +28,11 @@ namespace kvb {
 namespace {
 
 constexpr uint64_t kMinBytesPerThread = uint64_t{1} << 20;
+constexpr uint64_t kPartsPerThread = 8;  // move_parallel's parts
 constexpr int kMaxAutoThreads = 8;
 constexpr int kMaxThreads = 64;
 constexpr std::ptrdiff_t kPrefetchRuns = 4;  // runs ahead
+constexpr size_t kStreamPrefetchRuns = 2;    // runs ahead, streamed packed K|V
 constexpr int64_t kPrefetchBytes = 2048;     // of each run's head
 constexpr uint64_t kHashWindow = uint64_t{32} << 10;
 constexpr uint64_t kPairHashBytes = uint64_t{4} << 20;  // a layer's K and V, hashed from cache
@@ -458,6 +461,15 @@ __attribute__((target("avx2"))) void move_pair_nt_avx2(const TokenRun* runs, siz
                                                        uint8_t* wire_v, int64_t heads,
                                                        int64_t stride_head, int64_t v_off) {
   for (size_t r = 0; r < num_runs; ++r) {
+    if (kPack && r + kStreamPrefetchRuns < num_runs) {
+      // Start each head of a run a little ahead: the hardware prefetcher
+      // follows a head's rows once they begin, but not into a random block.
+      const uint8_t* ahead = k_base + runs[r + kStreamPrefetchRuns].off;
+      for (int64_t h = 0; h < heads; ++h) {
+        __builtin_prefetch(ahead + h * stride_head, 0, 3);
+        __builtin_prefetch(ahead + h * stride_head + 64, 0, 3);
+      }
+    }
     uint8_t* tok = k_base + runs[r].off;
     for (int64_t t = runs[r].t0; t < runs[r].t1; ++t, tok += stride_token) {
       uint8_t* wk = wire_k + t * tokb;
@@ -698,8 +710,12 @@ int thread_count(const kvb_exec* exec, uint64_t nbytes) {
   return static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(want), by_size));
 }
 
-// Wire positions [lo, hi) over `n` threads: equal parts, cut on 64-byte wire
-// positions so no two threads share a line.
+// Wire positions [lo, hi) over `n` threads, as kPartsPerThread parts per
+// thread that the threads take in turn: a pool thread that wakes late (a
+// sleeping vCPU can take a large share of a job to wake) takes what is left
+// instead of leaving its whole half to the caller.  Parts are cut on 64-byte
+// wire positions, so no two threads share a line, and, for packed K|V, on a
+// layer's K and V blocks, so each part copies them in one pass (move_pair).
 template <bool kPack, bool kNt>
 void move_parallel(const Job& j, uint64_t lo, uint64_t hi, int n) {
   if (n <= 1) {
@@ -707,11 +723,23 @@ void move_parallel(const Job& j, uint64_t lo, uint64_t hi, int n) {
     if (kNt) fence_nt();
     return;
   }
-  const uint64_t step = ((hi - lo) / static_cast<uint64_t>(n) + 63) & ~uint64_t{63};
-  parallel_for(n, [&](int i) {
-    const uint64_t a = std::min(hi, lo + static_cast<uint64_t>(i) * step);
-    const uint64_t b = i == n - 1 ? hi : std::min(hi, a + step);
-    if (a < b) move_slice<kPack, kNt>(j, a, b);
+  const uint64_t total = hi - lo;
+  const uint64_t pair = 2 * static_cast<uint64_t>(j.p->g.block_bytes);
+  const uint64_t want = total / (static_cast<uint64_t>(n) * kPartsPerThread);
+  const uint64_t unit = j.paired && pair > 0 && pair <= want ? pair : 64;
+  const uint64_t step = std::max<uint64_t>(unit, want / unit * unit);
+  auto cut = [&](uint64_t k) {  // boundary k, on a multiple of `unit` (absolute)
+    if (k == 0) return lo;
+    const uint64_t x = lo + k * step;
+    return x >= hi ? hi : std::min(hi, (x + unit - 1) / unit * unit);
+  };
+  const uint64_t parts = (total + step - 1) / step;
+  std::atomic<uint64_t> next{0};
+  parallel_for(n, [&](int) {
+    for (uint64_t k = next.fetch_add(1); k < parts; k = next.fetch_add(1)) {
+      const uint64_t a = cut(k), b = cut(k + 1);
+      if (a < b) move_slice<kPack, kNt>(j, a, b);
+    }
     if (kNt) fence_nt();
   });
 }

@@ -3,6 +3,8 @@
 
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -12,6 +14,8 @@
 
 namespace kvb {
 namespace {
+
+constexpr int kSpinUs = 2000;  // how long an idle worker watches for work
 
 // Completion counter of one parallel_for call.
 struct Latch {
@@ -37,6 +41,7 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop_ = true;
+      stop_flag_.store(true);
     }
     cv_.notify_all();
     for (std::thread& t : workers_) t.join();
@@ -51,6 +56,7 @@ class Pool {
         workers_.emplace_back([this] { work(); });
       }
       for (int i = 1; i < n; ++i) queue_.push_back(Task{&fn, i, &latch});
+      queued_.store(queue_.size(), std::memory_order_relaxed);
     }
     cv_.notify_all();
     fn(0);
@@ -62,6 +68,7 @@ class Pool {
         if (queue_.empty()) break;
         t = queue_.front();
         queue_.pop_front();
+        queued_.store(queue_.size(), std::memory_order_relaxed);
       }
       (*t.fn)(t.index);
       t.latch->done();
@@ -73,6 +80,7 @@ class Pool {
  private:
   void work() {
     for (;;) {
+      spin_for_work();
       Task t{};
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -80,9 +88,22 @@ class Pool {
         if (queue_.empty()) return;  // stop_ and nothing left
         t = queue_.front();
         queue_.pop_front();
+        queued_.store(queue_.size(), std::memory_order_relaxed);
       }
       (*t.fn)(t.index);
       t.latch->done();
+    }
+  }
+
+  // Before sleeping, a worker that just ran a task watches the queue for a
+  // while (yielding its core between looks): a copy split across threads
+  // comes in bursts, and a sleeping worker is woken late (a halted vCPU, or
+  // woken onto the caller's core, where it only time-shares with it).
+  void spin_for_work() {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+    while (queued_.load(std::memory_order_relaxed) == 0 && !stop_flag_.load()) {
+      if (std::chrono::steady_clock::now() >= until) return;
+      std::this_thread::yield();
     }
   }
 
@@ -91,6 +112,8 @@ class Pool {
   std::deque<Task> queue_;
   std::vector<std::thread> workers_;
   bool stop_ = false;
+  std::atomic<size_t> queued_{0};       // queue_.size(), for spin_for_work
+  std::atomic<bool> stop_flag_{false};  // stop_, for spin_for_work
 };
 
 std::mutex g_pool_mu;
