@@ -202,14 +202,27 @@ __attribute__((target("sse2"))) void acc_copy_sse2(uint64_t* acc, uint8_t* dst, 
   acc_sse2(acc, dst, sec, stripes);
 }
 
-__attribute__((target("avx2"))) void acc_avx2(uint64_t* acc, const uint8_t* in, const uint8_t* sec,
-                                              size_t stripes) {
+// The AVX2 stripe loop; with kCopy the stripes are also stored to `dst`
+// (kStream: with streaming stores) as they are read.
+template <bool kCopy, bool kStream>
+__attribute__((target("avx2"))) void acc_avx2_loop(uint64_t* acc, uint8_t* dst, const uint8_t* in,
+                                                   const uint8_t* sec, size_t stripes) {
   __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
   __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + 1);
   for (size_t n = 0; n < stripes; ++n) {
     const __m256i* p = reinterpret_cast<const __m256i*>(in + n * kStripe);
     const __m256i* k = reinterpret_cast<const __m256i*>(sec + n * 8);
     const __m256i d0 = _mm256_loadu_si256(p), d1 = _mm256_loadu_si256(p + 1);
+    if (kCopy) {
+      __m256i* q = reinterpret_cast<__m256i*>(dst + n * kStripe);
+      if (kStream) {
+        _mm256_stream_si256(q, d0);
+        _mm256_stream_si256(q + 1, d1);
+      } else {
+        _mm256_storeu_si256(q, d0);
+        _mm256_storeu_si256(q + 1, d1);
+      }
+    }
     const __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256(k));
     const __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256(k + 1));
     const __m256i p0 = _mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32));
@@ -221,6 +234,16 @@ __attribute__((target("avx2"))) void acc_avx2(uint64_t* acc, const uint8_t* in, 
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc), a0);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + 1, a1);
+}
+
+void acc_avx2(uint64_t* acc, const uint8_t* in, const uint8_t* sec, size_t stripes) {
+  acc_avx2_loop<false, false>(acc, nullptr, in, sec, stripes);
+}
+
+template <bool kStream>
+void acc_copy_avx2(uint64_t* acc, uint8_t* dst, const uint8_t* src, const uint8_t* sec,
+                   size_t stripes) {
+  acc_avx2_loop<true, kStream>(acc, dst, src, sec, stripes);
 }
 
 __attribute__((target("avx2"))) void scramble_avx2(uint64_t* acc, const uint8_t* sec) {
@@ -237,44 +260,23 @@ __attribute__((target("avx2"))) void scramble_avx2(uint64_t* acc, const uint8_t*
 }
 
 // GCC 12 warns about its own _mm512_undefined_epi32() inside the intrinsics.
-template <bool kStream>
-__attribute__((target("avx2"))) void acc_copy_avx2(uint64_t* acc, uint8_t* dst, const uint8_t* src,
-                                                   const uint8_t* sec, size_t stripes) {
-  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc));
-  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc) + 1);
-  for (size_t n = 0; n < stripes; ++n) {
-    const __m256i* p = reinterpret_cast<const __m256i*>(src + n * kStripe);
-    __m256i* q = reinterpret_cast<__m256i*>(dst + n * kStripe);
-    const __m256i* k = reinterpret_cast<const __m256i*>(sec + n * 8);
-    const __m256i d0 = _mm256_loadu_si256(p), d1 = _mm256_loadu_si256(p + 1);
-    if (kStream) {
-      _mm256_stream_si256(q, d0);
-      _mm256_stream_si256(q + 1, d1);
-    } else {
-      _mm256_storeu_si256(q, d0);
-      _mm256_storeu_si256(q + 1, d1);
-    }
-    const __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256(k));
-    const __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256(k + 1));
-    const __m256i p0 = _mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32));
-    const __m256i p1 = _mm256_mul_epu32(k1, _mm256_srli_epi64(k1, 32));
-    a0 = _mm256_add_epi64(a0,
-                          _mm256_add_epi64(p0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
-    a1 = _mm256_add_epi64(a1,
-                          _mm256_add_epi64(p1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc), a0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc) + 1, a1);
-}
-
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-__attribute__((target("avx512f"))) void acc_avx512(uint64_t* acc, const uint8_t* in,
-                                                   const uint8_t* sec, size_t stripes) {
+template <bool kCopy, bool kStream>
+__attribute__((target("avx512f"))) void acc_avx512_loop(uint64_t* acc, uint8_t* dst,
+                                                        const uint8_t* in, const uint8_t* sec,
+                                                        size_t stripes) {
   __m512i a = _mm512_loadu_si512(acc);
   for (size_t n = 0; n < stripes; ++n) {
     const __m512i d = _mm512_loadu_si512(in + n * kStripe);
+    if (kCopy) {
+      if (kStream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + n * kStripe), d);
+      } else {
+        _mm512_storeu_si512(dst + n * kStripe, d);
+      }
+    }
     const __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512(sec + n * 8));
     const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
     const __m512i swap =
@@ -284,25 +286,14 @@ __attribute__((target("avx512f"))) void acc_avx512(uint64_t* acc, const uint8_t*
   _mm512_storeu_si512(acc, a);
 }
 
+void acc_avx512(uint64_t* acc, const uint8_t* in, const uint8_t* sec, size_t stripes) {
+  acc_avx512_loop<false, false>(acc, nullptr, in, sec, stripes);
+}
+
 template <bool kStream>
-__attribute__((target("avx512f"))) void acc_copy_avx512(uint64_t* acc, uint8_t* dst,
-                                                        const uint8_t* src, const uint8_t* sec,
-                                                        size_t stripes) {
-  __m512i a = _mm512_loadu_si512(acc);
-  for (size_t n = 0; n < stripes; ++n) {
-    const __m512i d = _mm512_loadu_si512(src + n * kStripe);
-    if (kStream) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + n * kStripe), d);
-    } else {
-      _mm512_storeu_si512(dst + n * kStripe, d);
-    }
-    const __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512(sec + n * 8));
-    const __m512i prod = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
-    const __m512i swap =
-        _mm512_shuffle_epi32(d, static_cast<_MM_PERM_ENUM>(_MM_SHUFFLE(1, 0, 3, 2)));
-    a = _mm512_add_epi64(a, _mm512_add_epi64(prod, swap));
-  }
-  _mm512_storeu_si512(acc, a);
+void acc_copy_avx512(uint64_t* acc, uint8_t* dst, const uint8_t* src, const uint8_t* sec,
+                     size_t stripes) {
+  acc_avx512_loop<true, kStream>(acc, dst, src, sec, stripes);
 }
 
 __attribute__((target("avx512f"))) void scramble_avx512(uint64_t* acc, const uint8_t* sec) {

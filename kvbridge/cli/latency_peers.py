@@ -79,40 +79,53 @@ def _from_tree(tree: str) -> Any:
 
 
 # ---- kvbridge UCX -----------------------------------------------------------------------
+def _ucx_finisher(polling: bool) -> Any:
+    """How a side waits for a handle: "await" awaits it (one loop hop when it
+    resolves); "poll" polls done() as NIXL's users poll its notifications (no
+    loop turn: done() progresses the worker and accounts what landed)."""
+
+    async def finished(h: Any) -> None:
+        if polling:
+            end = time.monotonic() + 30.0
+            while not h.done():
+                if time.monotonic() > end:
+                    raise TransferTimeout(f"{h.request_id!r} not done in 30 s")
+        await h  # resolved when polled: returns (or raises) without yielding
+
+    return finished
+
+
+async def _ucx_pair(conn: Any, role: int, lay: Any, opts: dict[str, Any], fill: bool) -> Any:
+    """This side's agent and its peer, connected through ``conn`` (side 0
+    connects, side 1 waits for it); with ``fill``, the cache's page 1 holds
+    the side's number."""
+    from ..transport.ucx import UcxAgent
+
+    cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
+    if fill:
+        cache[:, 1] = role + 1
+    agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
+    conn.send(("info", agent.metadata()))
+    other = conn.recv()
+    peer = await agent.connect(other) if role == 0 else None
+    conn.send(("ready",))
+    if role == 1:
+        while not agent.peers:
+            await asyncio.sleep(0.001)
+        peer = agent.peers[0]
+    assert peer is not None
+    return agent, peer
+
+
 def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.tcp import run
-    from ..transport.ucx import UcxAgent
 
     lay = page_layout(size)
     opts = dict(opts)
-    # "await": each side awaits its handles (one loop hop when they resolve);
-    # "poll": each side polls done() as NIXL's users poll its notifications
-    # (no loop turn: done() progresses the worker and accounts what landed)
-    polling = opts.pop("mode", "await") == "poll"
-
-    async def finished(h: Any) -> None:
-        if not polling:
-            await h
-            return
-        end = time.monotonic() + 30.0
-        while not h.done():
-            if time.monotonic() > end:
-                raise TransferTimeout(f"{h.request_id!r} not done in 30 s")
-        await h  # resolved: returns (or raises) without yielding
+    finished = _ucx_finisher(opts.pop("mode", "await") == "poll")
 
     async def main() -> None:
-        cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
-        cache[:, 1] = role + 1
-        agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
-        conn.send(("info", agent.metadata()))
-        other = conn.recv()
-        peer = await agent.connect(other) if role == 0 else None
-        conn.send(("ready",))
-        if role == 1:
-            while not agent.peers:
-                await asyncio.sleep(0.001)
-            peer = agent.peers[0]
-        assert peer is not None
+        agent, peer = await _ucx_pair(conn, role, lay, opts, fill=True)
         src, dst = np.array([1]), np.array([0])
         me, them = ("a", "b") if role == 0 else ("b", "a")
         seq = 0
@@ -150,33 +163,14 @@ def _kvb_ucx_trace(conn: Any, role: int, size: int, opts: dict[str, Any]) -> Non
     returned, each expect resolved (``stats.finished``), each task resumed
     after it, B's ``send()`` called and returned."""
     from ..transport.tcp import run
-    from ..transport.ucx import UcxAgent
 
     lay = page_layout(size)
     opts = dict(opts)
-    polling = opts.pop("mode", "await") == "poll"
+    finished = _ucx_finisher(opts.pop("mode", "await") == "poll")
     now = time.monotonic
 
-    async def finished(h: Any) -> None:
-        if polling:
-            end = now() + 30.0
-            while not h.done():
-                if now() > end:
-                    raise TransferTimeout(f"{h.request_id!r} not done in 30 s")
-        await h
-
     async def main() -> None:
-        cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
-        agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
-        conn.send(("info", agent.metadata()))
-        other = conn.recv()
-        peer = await agent.connect(other) if role == 0 else None
-        conn.send(("ready",))
-        if role == 1:
-            while not agent.peers:
-                await asyncio.sleep(0.001)
-            peer = agent.peers[0]
-        assert peer is not None
+        agent, peer = await _ucx_pair(conn, role, lay, opts, fill=False)
         src, dst = np.array([1]), np.array([0])
         me, them = ("a", "b") if role == 0 else ("b", "a")
         seq = 0
