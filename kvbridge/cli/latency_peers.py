@@ -117,6 +117,17 @@ async def _ucx_pair(conn: Any, role: int, lay: Any, opts: dict[str, Any], fill: 
     return agent, peer
 
 
+async def _ucx_commands(conn: Any) -> Any:
+    """The driver's commands to a UCX side: yields n for each ("samples"-
+    producing) command, returns at "quit"."""
+    loop = asyncio.get_running_loop()
+    while True:
+        cmd = await loop.run_in_executor(None, conn.recv)
+        if cmd[0] == "quit":
+            return
+        yield cmd[1]
+
+
 def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     from ..transport.tcp import run
 
@@ -129,12 +140,7 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
         src, dst = np.array([1]), np.array([0])
         me, them = ("a", "b") if role == 0 else ("b", "a")
         seq = 0
-        loop = asyncio.get_running_loop()
-        while True:
-            cmd = await loop.run_in_executor(None, conn.recv)
-            if cmd[0] == "quit":
-                break
-            n = cmd[1]
+        async for n in _ucx_commands(conn):
             one_way, sender = [], []
             for _ in range(n):
                 he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
@@ -174,13 +180,9 @@ def _kvb_ucx_trace(conn: Any, role: int, size: int, opts: dict[str, Any]) -> Non
         src, dst = np.array([1]), np.array([0])
         me, them = ("a", "b") if role == 0 else ("b", "a")
         seq = 0
-        loop = asyncio.get_running_loop()
-        while True:
-            cmd = await loop.run_in_executor(None, conn.recv)
-            if cmd[0] == "quit":
-                break
+        async for n in _ucx_commands(conn):
             stamps: list[tuple[float, ...]] = []
-            for _ in range(cmd[1]):
+            for _ in range(n):
                 he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
                 if role == 0:
                     t0 = now()
