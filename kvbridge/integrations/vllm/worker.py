@@ -90,6 +90,16 @@ def _wide_affinity() -> Iterator[None]:
         os.sched_setaffinity(0, mine)
 
 
+def _decode_or_log(peer: Any, ft: int, payload: bytes) -> Any:
+    """A peer's CONTROL message, or None (logged) when it does not decode: a
+    bad message from one peer never stops the connector's thread."""
+    try:
+        return decode_control(ft, payload)
+    except KVBridgeError as e:
+        log.warning("bad connector message %#x from %s: %s", ft, peer, e)
+        return None
+
+
 @dataclass
 class TransferCounters:
     """What moved since the last :meth:`ConnectorWorker.take_counters` (the
@@ -310,10 +320,8 @@ class ConnectorWorker:
                 if not self._connect_peer(peer):
                     retry[peer] = self._clock() + 1.0
                 continue
-            try:
-                msg = decode_control(ft, payload)
-            except KVBridgeError as e:
-                log.warning("bad connector message %#x from %s: %s", ft, peer, e)
+            msg = _decode_or_log(peer, ft, payload)
+            if msg is None:
                 continue
             if isinstance(msg, MetaQuery):
                 try:
@@ -457,10 +465,8 @@ class ConnectorWorker:
                 peer, ft, payload = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            try:
-                msg = decode_control(ft, payload)
-            except KVBridgeError as e:
-                log.warning("bad connector message %#x from %s: %s", ft, peer, e)
+            msg = _decode_or_log(peer, ft, payload)
+            if msg is None:
                 continue
             if isinstance(msg, TicketMsg):
                 self._on_ticket(peer, msg.ticket)
