@@ -152,15 +152,35 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+CLOSE_GRACE_S = 5.0  # how long a signalled proxy waits for its connections to close
+
+
 async def _serve(proxy: ProxyEmulator | FaultProxy) -> None:
-    await proxy.start()
-    host, port = proxy.listen_addr
-    print(json.dumps({"listen": f"{host}:{port}"}), flush=True)
-    await proxy.serve_forever()
+    """Serve until SIGTERM or SIGINT.  The signals are taken by the loop
+    (``add_signal_handler``), not raised as KeyboardInterrupt into whatever
+    callback happens to run: an exception thrown into the loop's own code
+    can drop a callback and leave the teardown waiting for ever."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await proxy.start()
+        host, port = proxy.listen_addr
+        print(json.dumps({"listen": f"{host}:{port}"}), flush=True)
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal is ignored
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+        try:
+            await asyncio.wait_for(proxy.close(), CLOSE_GRACE_S)
+        except TimeoutError:
+            print(f"proxy: connections still closing after {CLOSE_GRACE_S} s", file=sys.stderr)
 
 
 def _run_proxy(proxy: ProxyEmulator | FaultProxy) -> int:
-    _sigterm_as_interrupt()
+    _sigterm_as_interrupt()  # until the loop takes the signals over
     try:
         asyncio.run(_serve(proxy))
     except KeyboardInterrupt:
