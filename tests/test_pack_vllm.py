@@ -130,7 +130,7 @@ def test_the_cpu_backends_writer_stores_what_kvbridge_packs() -> None:
         block_size=32, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16
     )
     src = vllm_caches(spec, KVCacheLayout.LBHNC)
-    cache = PagedKVCache.from_vllm(src, kv_split="cpu")
+    cache = PagedKVCache.from_vllm(src, kv_split="cpu", cpu_isa="vec")
     rng = random.Random(3)
     bt = rng.sample(range(BLOCKS), BLOCKS)
     start, end = 7, 5 * 32 + 11
@@ -149,7 +149,7 @@ def test_the_cpu_backends_writer_stores_what_kvbridge_packs() -> None:
     want = torch.stack([k, v], dim=1).contiguous().view(torch.uint8).reshape(-1)
     assert torch.equal(wire, want)
     dst = vllm_caches(spec, KVCacheLayout.LBHNC)
-    dst_cache = PagedKVCache.from_vllm(dst, kv_split="cpu")
+    dst_cache = PagedKVCache.from_vllm(dst, kv_split="cpu", cpu_isa="vec")
     dbt = rng.sample(range(BLOCKS), BLOCKS)
     dst_cache.range(dbt, start, end).unpack(wire)
     dslots = torch.tensor(dbt)[t // 32] * 32 + t % 32

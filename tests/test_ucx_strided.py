@@ -48,7 +48,9 @@ def cache(block: int, blocks: int) -> tuple[list[torch.Tensor], pack.PagedKVCach
         dtype=torch.bfloat16,
         layout="LBHNC",
     )
-    return views, pack.PagedKVCache.from_vllm(views, kv_split="cpu", block_tokens=block)
+    return views, pack.PagedKVCache.from_vllm(
+        views, kv_split="cpu", block_tokens=block, cpu_isa="vec" if block % 32 == 0 else "vec16"
+    )
 
 
 def slots(table: np.ndarray, block: int, start: int, end: int) -> torch.Tensor:

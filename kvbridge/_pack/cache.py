@@ -215,6 +215,7 @@ class PagedKVCache:
         head_start: int = 0,
         model_kv_heads: int | None = None,
         name: str = "",
+        cpu_isa: str | None = None,
     ) -> PagedKVCache:
         """vLLM's KV cache (v0.26 and later; checked against 0.32.0), as its
         worker hands it to a KV connector's ``register_kv_caches``: one torch
@@ -228,7 +229,12 @@ class PagedKVCache:
         ``[..., :head_size]``, V ``[..., head_size:]``) or ``"cpu"`` (vLLM's
         CPU backend, ISA ``vec`` / ``vec16``: each block's head tile
         ``[block_size, 2 * head_size]`` is K stored ``[head_size][block_size]``
-        followed by V ``[block_size][head_size]``; LBHNC only).  ``block_tokens``
+        followed by V ``[block_size][head_size]``; LBHNC only).  ``cpu_isa``
+        names the CPU backend's kernel set (``"vec"``, ``"vec16"``, ``"amx"``;
+        None: the one vLLM 0.32 picks on this CPU for the dtype and block
+        size): ``"amx"`` (bf16, blocks a multiple of 32, a CPU with AMX tiles)
+        stores tiles kvbridge does not describe and raises ``Unavailable``.
+        ``block_tokens``
         is the manager block size (``cache_config.block_size``) when the
         kernel blocks are smaller.  ``head_start`` / ``model_kv_heads`` place a
         tensor-parallel rank's heads among the model's.  fp8 caches are uint8
@@ -245,6 +251,7 @@ class PagedKVCache:
             head_start=head_start,
             model_kv_heads=model_kv_heads,
             name=name,
+            cpu_isa=cpu_isa,
         )
 
     @classmethod

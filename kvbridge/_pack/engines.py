@@ -24,6 +24,7 @@ def describe_vllm(
     head_start: int = 0,
     model_kv_heads: int | None = None,
     name: str = "",
+    cpu_isa: str | None = None,
 ) -> PagedKVCache:
     """:meth:`PagedKVCache.from_vllm` (its docstring says what it takes)."""
     tensors = list(kv_caches.values()) if isinstance(kv_caches, Mapping) else list(kv_caches)
@@ -48,6 +49,8 @@ def describe_vllm(
     sb, sh, sn, sc = _byte_strides(t0)
     if sc != isz:
         raise ShapeError("vLLM's content dimension must be innermost (stride 1)")
+    if cpu_isa is not None and kv_split != "cpu":
+        raise InvalidArgument("cpu_isa names a kernel set of vLLM's CPU backend (kv_split='cpu')")
     if mla:
         if kv_split != "last_dim":
             raise LayoutError("an MLA cache has one latent per token: no K/V split")
@@ -69,7 +72,7 @@ def describe_vllm(
                     "vLLM's CPU backend needs each head's [block_size, 2 * head_size] tile "
                     "contiguous (layout LBHNC)"
                 )
-            _refuse_amx(dt, block)
+            _check_cpu_isa(cpu_isa or vllm_cpu_isa(dt, block, head_dim), dt, block)
             offs = [0, block * hb]
             strides = [
                 ComponentStrides(sb, isz, sh, block * isz),  # K: [head_size][block_size]
@@ -215,11 +218,36 @@ def _vllm_memory_key(split: str, bases: list[int], sb: int, sh: int, sn: int) ->
     return key
 
 
-def _refuse_amx(dt: DType, block: int) -> None:
-    torch = _torch()
-    amx = getattr(getattr(torch, "cpu", None), "_is_amx_tile_supported", None)
-    if dt is DType.BF16 and block % 32 == 0 and amx is not None and bool(amx()):
+CPU_ISAS = ("vec", "vec16", "amx")
+
+
+def vllm_cpu_isa(dtype: DType, block_size: int, head_size: int) -> str:
+    """The kernel set vLLM 0.32's CPU attention backend picks on this CPU
+    (``_get_attn_isa`` in vllm/v1/attention/backends/cpu_attn.py, x86): AMX
+    for bf16 caches with blocks a multiple of 32 where the CPU has AMX tiles
+    (and vLLM's AVX-512 BF16 build, which has the AMX kernels, is loaded),
+    else ``vec`` for blocks a multiple of 32 and ``vec16`` for the others."""
+    if head_size % 32 and head_size % 16 == 0:
+        return "vec16"
+    if dtype is DType.BF16 and block_size % 32 == 0 and _has_amx_tiles():
+        return "amx"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+def _has_amx_tiles() -> bool:
+    cpu = getattr(_torch(), "cpu", None)
+    amx = getattr(cpu, "_is_amx_tile_supported", None)
+    bf16 = getattr(cpu, "_is_avx512_bf16_supported", None)
+    return bool(amx is not None and amx() and (bf16 is None or bf16()))
+
+
+def _check_cpu_isa(isa: str, dt: DType, block: int) -> None:
+    if isa not in CPU_ISAS:
+        raise InvalidArgument(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {isa!r}")
+    if isa == "amx":
         raise Unavailable(
-            "on this CPU vLLM's CPU backend stores bf16 caches with 32-token blocks in "
-            "AMX tiles, which kvbridge does not describe"
+            f"vLLM's CPU backend stores {dt.value} caches with {block}-token blocks in AMX "
+            "tiles on this CPU (ISA 'amx'), which kvbridge does not describe; run vLLM with a "
+            "block size that is not a multiple of 32 (e.g. 16: its 'vec16' kernels keep the "
+            "layout kvbridge reads) or another KV dtype"
         )

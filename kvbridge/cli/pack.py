@@ -201,7 +201,10 @@ def _setup_vllm(case: Case, wire_mib: float, seed: int) -> Setup:
     flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
     gen = torch.Generator().manual_seed(seed)
     flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
-    cache = PagedKVCache.from_vllm(caches, kv_split=split)
+    # the CPU backend's vec kernels' layout, whatever kernels this CPU would get
+    cache = PagedKVCache.from_vllm(
+        caches, kv_split=split, cpu_isa="vec" if split == "cpu" else None
+    )
     idx = torch.randperm(pool, generator=gen)[:blocks]
     bt = idx.numpy().astype(np.int32)
     tokens = blocks * bs

@@ -25,6 +25,19 @@ def _kv_split() -> str:
     return "cpu" if current_platform.is_cpu() else "last_dim"
 
 
+def _cpu_isa(tensors: list[Any]) -> str | None:
+    """The kernel set vLLM's CPU attention backend chose for these caches (its
+    own rule, ``_get_attn_isa``); None where this vLLM has no such rule."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    head_size = int(tensors[0].shape[-1]) // 2
+    kernel_block = int(tensors[0].shape[2])
+    isa = _get_attn_isa(tensors[0].dtype, kernel_block, head_size)
+    return str(isa) if isa in ("vec", "vec16", "amx") else None
+
+
 def describe_vllm_cache(
     tensors: list[Any], block_size: int, kv_cache_config: Any = None, *, name: str = ""
 ) -> tuple[PagedKVCache, int]:
@@ -37,7 +50,9 @@ def describe_vllm_cache(
             "this kvbridge's PagedKVCache cannot describe vLLM's strided KV views "
             "(PagedKVCache.from_vllm, docs/layouts.md)"
         )
+    split = _kv_split()
+    isa = _cpu_isa(tensors) if split == "cpu" else None
     cache: PagedKVCache = from_vllm(
-        tensors, kv_split=_kv_split(), block_tokens=int(block_size), name=name
+        tensors, kv_split=split, block_tokens=int(block_size), name=name, cpu_isa=isa
     )
     return cache, 1
