@@ -58,8 +58,14 @@ _INSTALL = {
 }
 SETTINGS = {"tcp": "tcp", "shm": "tcp,sm"}
 # kvbridge's own UCX settings (loader.DEFAULT_UCX_CONFIG): the tuned rows of
-# the other UCX libraries get the same segments.
-SEG_ENV = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+# the other UCX libraries get the same segments and RMA rails (NIXL sets
+# MAX_RMA_RAILS=2 itself).
+SEG_ENV = {
+    "UCX_TCP_TX_SEG_SIZE": "256k",
+    "UCX_TCP_RX_SEG_SIZE": "256k",
+    "UCX_MAX_RMA_RAILS": "2",
+}
+TUNED = "256k TCP segments, 2 RMA rails"
 
 
 @dataclass
@@ -91,11 +97,20 @@ def rows_for(
                 "kvbridge",
                 {},
                 {},
-                "defaults: error_mode=none, 256k TCP segments, progress=thread, "
+                f"defaults: error_mode=none, {TUNED}, progress=thread, "
                 "busy_poll_us=1000, poll_yield_us=0, put_window=64",
             )
         )
         out.append(Row("kvbridge peer", "kvbridge", {}, {"error_mode": "peer"}, "error_mode=peer"))
+        out.append(
+            Row(
+                "kvbridge 1 rail",
+                "kvbridge",
+                {"UCX_MAX_RMA_RAILS": "1"},
+                {},
+                "defaults but UCX_MAX_RMA_RAILS=1 (UCX's default)",
+            )
+        )
         for w in put_windows:
             out.append(
                 Row(
@@ -123,7 +138,7 @@ def rows_for(
                 "nixl",
                 dict(SEG_ENV),
                 {"progress_thread": False, "params": {"ucx_error_handling_mode": "none"}},
-                "progress thread off, ucx_error_handling_mode=none, 256k TCP segments",
+                f"progress thread off, ucx_error_handling_mode=none, {TUNED}",
             )
         )
         out.append(
@@ -153,7 +168,7 @@ def rows_for(
                 "ucxx",
                 dict(SEG_ENV),
                 {},
-                "tag send, 256k TCP segments (ucxx's endpoint error handling stays on)",
+                f"tag send, {TUNED} (ucxx's endpoint error handling stays on)",
             )
         )
         out.append(
@@ -166,7 +181,7 @@ def rows_for(
                 "perftest",
                 dict(SEG_ENV),
                 {},
-                "ucp_put_bw, message = the scenario's run, 256k TCP segments",
+                f"ucp_put_bw, message = the scenario's run, {TUNED}",
             )
         )
     return out

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import KVBridgeError, KVBridgeTimeout, PeerGone
-from .compare import spinning_core
+from .compare import SEG_ENV, TUNED, spinning_core  # kvbridge's own UCX settings, for NIXL too
 from .latency_peers import side_main
 
 UCX_ENV = {"tcp": {"UCX_TLS": "tcp"}, "tcp,sm": {"UCX_TLS": "tcp,sm"}}
@@ -44,7 +44,6 @@ NIXL_TUNED = {
     "progress_thread": False,
     "params": {"ucx_error_handling_mode": "none"},
 }
-SEG_ENV = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
 
 
 @dataclass
@@ -129,7 +128,7 @@ def configs(
                     "nixl",
                     {**UCX_ENV[tls], **SEG_ENV},
                     NIXL_TUNED,
-                    "progress thread off, ucx_error_handling_mode=none, 256k TCP segments",
+                    f"progress thread off, ucx_error_handling_mode=none, {TUNED}",
                     tls,
                 )
             )
