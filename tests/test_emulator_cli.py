@@ -51,7 +51,9 @@ def echo_server() -> Iterator[int]:
 
 
 @contextmanager
-def cli(*args: str) -> Iterator[tuple[str, int]]:
+def cli_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
+    """The emulator's command line, its listening address read; killed and
+    reaped at the end if it is still running."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.sim.emulator", *args],
         stdout=subprocess.PIPE,
@@ -64,9 +66,7 @@ def cli(*args: str) -> Iterator[tuple[str, int]]:
         line = proc.stdout.readline()
         assert line, proc.stderr.read() if proc.stderr else ""
         host, port = json.loads(line)["listen"].rsplit(":", 1)
-        yield host, int(port)
-        proc.terminate()
-        assert proc.wait(10) == 0
+        yield proc, host, int(port)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -74,6 +74,15 @@ def cli(*args: str) -> Iterator[tuple[str, int]]:
         for f in (proc.stdout, proc.stderr):
             if f is not None:
                 f.close()
+
+
+@contextmanager
+def cli(*args: str) -> Iterator[tuple[str, int]]:
+    """As :func:`cli_process`; at the end SIGTERM must stop it with status 0."""
+    with cli_process(*args) as (proc, host, port):
+        yield host, port
+        proc.terminate()
+        assert proc.wait(10) == 0
 
 
 def test_cli_proxy_delays_and_forwards() -> None:
@@ -141,45 +150,30 @@ def test_cli_stops_cleanly_on_sigterm_during_traffic(mode: str) -> None:
     within its bounded teardown, the connections cut."""
     extra = ["--rtt", "1ms"] if mode == "proxy" else []
     for _ in range(5):
-        with echo_server() as port:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvbridge.sim.emulator", mode,
-                 "--target", f"127.0.0.1:{port}", *extra],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                env=dict(os.environ, PYTHONPATH=str(ROOT)),
-            )  # fmt: skip
-            try:
-                assert proc.stdout is not None
-                host, p = json.loads(proc.stdout.readline())["listen"].rsplit(":", 1)
-                conns = [socket.create_connection((host, int(p)), timeout=10) for _ in range(3)]
-                stop = threading.Event()
+        with (
+            echo_server() as port,
+            cli_process(mode, "--target", f"127.0.0.1:{port}", *extra) as (proc, host, p),
+        ):
+            conns = [socket.create_connection((host, p), timeout=10) for _ in range(3)]
+            stop = threading.Event()
 
-                def pump(c: socket.socket, stop: threading.Event) -> None:
-                    chunk = os.urandom(65536)
-                    try:
-                        while not stop.is_set():
-                            c.sendall(chunk)
-                            c.recv(1 << 20)
-                    except OSError:
-                        pass
+            def pump(c: socket.socket, stop: threading.Event) -> None:
+                chunk = os.urandom(65536)
+                try:
+                    while not stop.is_set():
+                        c.sendall(chunk)
+                        c.recv(1 << 20)
+                except OSError:
+                    pass
 
-                threads = [
-                    threading.Thread(target=pump, args=(c, stop), daemon=True) for c in conns
-                ]
-                for t in threads:
-                    t.start()
-                time.sleep(0.2)
-                proc.send_signal(15)
-                assert proc.wait(10) == 0, proc.stderr.read() if proc.stderr else ""
-                stop.set()
-                for c in conns:
-                    c.close()
-                for t in threads:
-                    t.join(10)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                for f in (proc.stdout, proc.stderr):
-                    if f is not None:
-                        f.close()
+            threads = [threading.Thread(target=pump, args=(c, stop), daemon=True) for c in conns]
+            for t in threads:
+                t.start()
+            time.sleep(0.2)
+            proc.send_signal(15)
+            assert proc.wait(10) == 0, proc.stderr.read() if proc.stderr else ""
+            stop.set()
+            for c in conns:
+                c.close()
+            for t in threads:
+                t.join(10)
