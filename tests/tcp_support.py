@@ -1,5 +1,6 @@
 """Helpers for the TCP transport tests: a loop runner with a deadline, a
-frame-aware fault proxy, a write-once sink, throwaway TLS certificates."""
+frame-aware fault proxy, a sender whose second DATA body is damaged on the
+way, a write-once sink, throwaway TLS certificates."""
 
 from __future__ import annotations
 
@@ -49,6 +50,23 @@ class OnceSink(BytesSink):
             assert end <= a or offset >= b, f"bytes [{offset}, {end}) written twice"
         self.spans.append((offset, end))
         super().write(offset, data)
+
+
+async def damaged_second_chunk(rx: Any, chunk_size: int) -> tuple[Any, Any]:
+    """A one-stream sender to ``rx`` through the emulator's fault proxy, which
+    damages the body of the second DATA frame of the first connection;
+    returns (proxy, sender).  The caller closes both."""
+    from kvbridge.sim.emulator import CorruptFrame
+    from kvbridge.sim.emulator import FaultProxy as EmulatorFaultProxy
+    from kvbridge.transport.tcp import TcpSender
+
+    proxy = EmulatorFaultProxy(
+        ("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])]
+    )
+    await proxy.start()
+    host, port = proxy.listen_addr
+    tx = TcpSender(host, port, streams=1, chunk_size=chunk_size, compression="off")
+    return proxy, tx
 
 
 class FaultProxy:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tcp_support import OnceSink, arun
+from tcp_support import OnceSink, arun, damaged_second_chunk
 
 from kvbridge.transport.tcp import BytesSink, BytesSource, TcpReceiver, TcpSender
 from kvbridge.wire.codec import FrameDecoder
@@ -307,14 +307,9 @@ def test_checksums_in_the_copy_on_both_sides(size: int, monkeypatch: pytest.Monk
 
 
 def test_a_chunk_damaged_on_the_way_fails_its_check_in_the_copy_and_is_sent_again() -> None:
-    from kvbridge.sim.emulator import CorruptFrame, FaultProxy
-
     async def main() -> None:
         rx = await TcpReceiver().start()
-        proxy = FaultProxy(("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])])
-        await proxy.start()
-        host, port = proxy.listen_addr
-        tx = TcpSender(host, port, streams=1, chunk_size=512 * KiB, compression="off")
+        proxy, tx = await damaged_second_chunk(rx, 512 * KiB)
         data = os.urandom(4 << 20)
         sink = _OnePassSink(len(data))
         h = rx.expect("r", sink)
@@ -422,17 +417,13 @@ def test_kv_pages_cross_the_transport_read_once_on_each_side(
 
 
 def test_a_damaged_kv_chunk_fails_the_unpacks_check_and_its_resend_repairs_the_pages() -> None:
-    from kvbridge.sim.emulator import CorruptFrame, FaultProxy
     from kvbridge.transport.tcp import KVSink, KVSource
 
     pack, src, dst, src_bt, dst_bt = _kv_pair(seed=3)
 
     async def main() -> None:
         rx = await TcpReceiver().start()
-        proxy = FaultProxy(("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])])
-        await proxy.start()
-        host, port = proxy.listen_addr
-        tx = TcpSender(host, port, streams=1, chunk_size=128 * KiB, compression="off")
+        proxy, tx = await damaged_second_chunk(rx, 128 * KiB)
         sink = KVSink(dst, dst_bt, 5, 700, None)
         h = rx.expect("kv", sink)
         st = await tx.send("kv", KVSource(src, src_bt, 5, 700, None), token=h.token).wait(30)

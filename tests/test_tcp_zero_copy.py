@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tcp_support import arun
+from tcp_support import arun, damaged_second_chunk
 
 from kvbridge import pack
 from kvbridge.layout import KVLayout
@@ -152,16 +152,11 @@ def test_kv_pages_leave_the_sender_without_a_pack(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_damaged_lent_chunk_is_sent_again_from_the_pages() -> None:
-    from kvbridge.sim.emulator import CorruptFrame, FaultProxy
-
     src, dst, src_bt, dst_bt = _big_pages(6)
 
     async def main() -> None:
         rx = await TcpReceiver().start()
-        proxy = FaultProxy(("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])])
-        await proxy.start()
-        host, port = proxy.listen_addr
-        tx = TcpSender(host, port, streams=1, chunk_size=128 * KiB, compression="off")
+        proxy, tx = await damaged_second_chunk(rx, 128 * KiB)
         source, sink = KVSource(src, src_bt, 0, 1280, None), KVSink(dst, dst_bt, 0, 1280, None)
         assert hasattr(source, "views")
         h = rx.expect("kv", sink)
