@@ -381,6 +381,8 @@ def _memory_runs(src: _KVBase) -> Any:
     t1 = np.minimum(end - lps * pt, pt)
     mem_parts, len_parts, buf_parts = [], [], []
     ptrs, strides = cache.component_ptrs, cache.strides
+    order = sorted(range(len(bufs)), key=lambda k: bufs[k][0])
+    addrs = [bufs[k][0] for k in order]
     for layer in range(*src.layers):
         for c in range(lay.num_components):
             s = strides[c]
@@ -394,15 +396,16 @@ def _memory_runs(src: _KVBase) -> Any:
                 tok = np.arange(start, end, dtype=np.int64)
                 mem = base + phys[tok // pt - lps[0]] * s.page + (tok % pt) * s.token
                 ln = np.full(tok.size, row, dtype=np.int64)
-            inside = [
-                i
-                for i, (addr, mv) in enumerate(bufs)
-                if (mem - addr).min() >= 0 and (mem - addr + ln).max() <= len(mv)
-            ]
-            if not inside:
+            # the buffer that starts at or below the component's base (one
+            # lookup, not a scan of every buffer per layer) must hold all its runs
+            # (overlapping buffers may name another one: the source then packs)
+            k = bisect.bisect_right(addrs, base) - 1
+            if k < 0:
                 return None
-            i = inside[0]
+            i = order[k]
             off = mem - bufs[i][0]
+            if int(off.min()) < 0 or int((off + ln).max()) > len(bufs[i][1]):
+                return None
             mem_parts.append(off)
             len_parts.append(ln)
             buf_parts.append(np.full(off.size, i, dtype=np.int64))
