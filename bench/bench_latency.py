@@ -48,6 +48,33 @@ def test_latency_rows() -> None:
     assert cfgs[5].opts == {"busy_poll_us": 1000, "poll_yield_us": 20, "mode": "poll"}
 
 
+def test_baseline_and_nixl_rows() -> None:
+    """A baseline tree adds a UCX poll row run by that tree; nixl-req adds
+    NIXL driven with one handle per request (as vLLM's connector)."""
+    cfgs = latency.configs(["tcp"], ["kvb-ucx-poll", "nixl", "nixl-req"], 1000, baseline="/b")
+    by = {c.name: c for c in cfgs}
+    assert list(by) == [
+        "kvbridge UCX tcp poll",
+        "kvbridge UCX tcp poll baseline",
+        "NIXL tcp",
+        "NIXL tcp per request",
+    ]
+    assert by["kvbridge UCX tcp poll baseline"].opts["tree"] == "/b"
+    assert by["NIXL tcp per request"].opts["per_request"] is True
+    assert "per_request" not in by["NIXL tcp"].opts
+
+
+@pytest.mark.ucx
+def test_nixl_per_request_row() -> None:
+    """NIXL's per-request handles (make_prepped_xfer, the request id as the
+    notification) ping-pong to completion, each side matching the id."""
+    pytest.importorskip("nixl")
+    cfgs = latency.configs(["tcp,sm"], ["nixl-req"], 1000)
+    latency.measure(cfgs, 4096, warmup=5, rounds=2, burst=10, timeout=60.0)
+    assert not cfgs[0].error, cfgs[0].error
+    assert len(cfgs[0].samples) == 20
+
+
 def test_trace_steps() -> None:
     """Each leg's steps from both sides' stamps (seconds); a leg whose
     expect resolved before the other side's send() was called is refused."""

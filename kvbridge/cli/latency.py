@@ -121,6 +121,23 @@ def configs(
                     tls,
                 )
             )
+        if baseline and "kvb-ucx-poll" in libs:
+            out.append(
+                Config(
+                    f"kvbridge UCX {tls} poll baseline",
+                    "kvb-ucx",
+                    UCX_ENV[tls],
+                    {
+                        "busy_poll_us": polls[0],
+                        "poll_yield_us": yields[0],
+                        "mode": "poll",
+                        "tree": baseline,
+                    },
+                    f"as the poll row; the kvbridge of {baseline} (its compiled modules "
+                    "copied beside it)",
+                    tls,
+                )
+            )
         if "nixl" in libs:
             out.append(
                 Config(
@@ -128,7 +145,20 @@ def configs(
                     "nixl",
                     {**UCX_ENV[tls], **SEG_ENV},
                     NIXL_TUNED,
-                    f"progress thread off, ucx_error_handling_mode=none, {TUNED}",
+                    f"one handle re-posted; progress thread off, ucx_error_handling_mode=none, "
+                    f"{TUNED}",
+                    tls,
+                )
+            )
+        if "nixl-req" in libs:
+            out.append(
+                Config(
+                    f"NIXL {tls} per request",
+                    "nixl",
+                    {**UCX_ENV[tls], **SEG_ENV},
+                    {**NIXL_TUNED, "per_request": True},
+                    "a handle per request (make_prepped_xfer, notification = request id, "
+                    "released when DONE), as vLLM's NIXL connector; otherwise as the NIXL row",
                     tls,
                 )
             )
@@ -238,25 +268,28 @@ def format_rows(cfgs: list[Config], size: int, load: str) -> str:
     by = {c.name: c for c in cfgs}
     uv = by.get("uvloop ping-pong")
     head = (
-        f"{'size':>6} {'load':<9} {'row':<24} {'median us':>9} {'P99 us':>8} {'sender us':>9} "
-        f"{'vs uvloop':>9} {'vs NIXL':>8} {'sender vs NIXL':>14}  setting"
+        f"{'size':>6} {'load':<9} {'row':<34} {'median us':>9} {'P99 us':>8} {'sender us':>9} "
+        f"{'vs uvloop':>9} {'vs NIXL':>8} {'sender vs NIXL':>14} {'vs NIXL/req':>11}  setting"
     )
     lines = [head, "-" * len(head)]
     for c in cfgs:
         if c.error or not c.samples:
-            lines.append(f"{size:>6} {load:<9} {c.name:<24} error: {c.error or 'no samples'}")
+            lines.append(f"{size:>6} {load:<9} {c.name:<34} error: {c.error or 'no samples'}")
             continue
         med = statistics.median(c.samples) * 1e6
         snd = statistics.median(c.sender) * 1e6 if c.sender else float("nan")
         nixl = by.get(f"NIXL {c.tls}") if c.tls else None
+        per_req = by.get(f"NIXL {c.tls} per request") if c.tls else None
         r_uv = f"{med / (statistics.median(uv.samples) * 1e6):.2f}x" if uv and uv.samples else "-"
-        r_nx = r_snd = "-"
-        if nixl is not None and nixl.samples and nixl is not c:
+        r_nx = r_snd = r_req = "-"
+        if nixl is not None and nixl.samples and c.kind != "nixl":
             r_nx = f"{med / (statistics.median(nixl.samples) * 1e6):.2f}x"
             r_snd = f"{snd / (statistics.median(nixl.sender) * 1e6):.2f}x"
+        if per_req is not None and per_req.samples and c.kind != "nixl":
+            r_req = f"{med / (statistics.median(per_req.samples) * 1e6):.2f}x"
         lines.append(
-            f"{size:>6} {load:<9} {c.name:<24} {med:9.1f} {_p99(c.samples) * 1e6:8.1f} {snd:9.1f} "
-            f"{r_uv:>9} {r_nx:>8} {r_snd:>14}  {c.setting}"
+            f"{size:>6} {load:<9} {c.name:<34} {med:9.1f} {_p99(c.samples) * 1e6:8.1f} {snd:9.1f} "
+            f"{r_uv:>9} {r_nx:>8} {r_snd:>14} {r_req:>11}  {c.setting}"
         )
     return "\n".join(lines)
 
@@ -266,8 +299,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", default="tcp,tcp+sm", help="UCX_TLS settings: tcp, tcp+sm (tcp,sm)")
     p.add_argument(
         "--libs",
-        default="uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,nixl",
-        help="comma list of uvloop, kvb-tcp, kvb-ucx (awaiting), kvb-ucx-poll (polling done()), nixl",
+        default="uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,nixl,nixl-req",
+        help="comma list of uvloop, kvb-tcp, kvb-ucx (awaiting), kvb-ucx-poll (polling done()), "
+        "nixl (one transfer handle re-posted), nixl-req (a handle per request, as vLLM's NIXL "
+        "connector)",
     )
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rounds", type=int, default=10)
@@ -292,7 +327,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         metavar="DIR",
-        help="a kvbridge source tree whose TCP rows (and breakdown) run beside the current ones",
+        help="a kvbridge source tree whose TCP rows (and breakdown) and UCX poll rows run beside "
+        "the current ones (for UCX, copy the compiled kvbridge/*.so into it)",
     )
     p.add_argument(
         "--trace-count", type=int, default=300, help="transfers traced by --breakdown (TCP, UCX)"
@@ -302,9 +338,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: Any) -> int:
     libs = [x for x in args.libs.split(",") if x]
-    if "nixl" in libs and importlib.util.find_spec("nixl") is None:
+    if importlib.util.find_spec("nixl") is None and {"nixl", "nixl-req"} & set(libs):
         print("missing: nixl (pip install nixl); skipped")
-        libs.remove("nixl")
+        libs = [lib for lib in libs if lib not in ("nixl", "nixl-req")]
     tls = [t.replace("+", ",") for t in args.tls.split(",") if t]
     ok = True
     loads = ["idle", "1 busy"] if args.busy else ["idle"]

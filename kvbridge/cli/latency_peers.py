@@ -425,47 +425,78 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
         np.array([[buf.ctypes.data + size, size, 0]], dtype=np.uint64), "DRAM"
     )
     remote = agent.get_xfer_descs(np.array([[remote_base, size, 0]], dtype=np.uint64), "DRAM")
-    handle = agent.initialize_xfer("WRITE", local, remote, other, b"x")
+    per_request = bool(opts.get("per_request", False))
+    if per_request:
+        # As vLLM's NIXL connector drives it: descriptor lists prepared once,
+        # one transfer handle per request (make_prepped_xfer with the request
+        # id as its notification), released when DONE; the receiver looks
+        # for that id among its notifications.
+        local_dl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local)
+        remote_dl = agent.prep_xfer_dlist(other, remote)
+        handle = None
+    else:
+        handle = agent.initialize_xfer("WRITE", local, remote, other, b"x")
     conn.send(("ready",))
     deadline_s = 30.0
+    seen: set[bytes] = set()
 
-    def wait_notif() -> None:
+    def wait_notif(want: bytes) -> None:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
-            notifs = agent.get_new_notifs()
-            if any(notifs.values()):
+            for notifs in agent.get_new_notifs().values():
+                seen.update(notifs)
+            if not per_request and seen:
+                seen.clear()
+                return
+            if want in seen:
+                seen.discard(want)
                 return
         raise TransferTimeout("no NIXL notification")
 
-    def wait_done() -> None:
+    def post(rid: bytes) -> Any:
+        h = handle
+        if per_request:
+            h = agent.make_prepped_xfer("WRITE", local_dl, [0], remote_dl, [0], rid)
+        if agent.transfer(h) not in ("PROC", "DONE"):
+            raise KVBridgeError("NIXL transfer failed to post")
+        return h
+
+    def wait_done(h: Any) -> None:
         end = time.monotonic() + deadline_s
         state = "PROC"
         while state == "PROC" and time.monotonic() < end:
-            state = agent.check_xfer_state(handle)
+            state = agent.check_xfer_state(h)
         if state != "DONE":
             raise KVBridgeError(f"NIXL transfer state {state}")
+        if per_request:
+            agent.release_xfer_handle(h)
 
+    me, them = (b"a", b"b") if role == 0 else (b"b", b"a")
+    seq = 0
     while True:
         cmd = conn.recv()
         if cmd[0] == "quit":
             break
         one_way, sender = [], []
         for _ in range(cmd[1]):
+            tag = str(seq).encode()
             if role == 0:
                 t0 = time.perf_counter()
-                if agent.transfer(handle) not in ("PROC", "DONE"):
-                    raise KVBridgeError("NIXL transfer failed to post")
-                wait_done()
+                wait_done(post(me + tag))
                 t1 = time.perf_counter()
-                wait_notif()
+                wait_notif(them + tag)
                 one_way.append((time.perf_counter() - t0) / 2)
                 sender.append(t1 - t0)
             else:
-                wait_notif()
-                agent.transfer(handle)
-                wait_done()
+                wait_notif(them + tag)
+                wait_done(post(me + tag))
+            seq += 1
         conn.send(("samples", one_way, sender))
-    agent.release_xfer_handle(handle)
+    if per_request:
+        agent.release_dlist_handle(local_dl)
+        agent.release_dlist_handle(remote_dl)
+    else:
+        agent.release_xfer_handle(handle)
 
 
 _SIDES = {
