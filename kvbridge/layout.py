@@ -23,6 +23,7 @@ one tensor-parallel rank holds a contiguous head range (``head_start``,
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import operator
 from collections.abc import Mapping
@@ -52,7 +53,7 @@ class DType(str, enum.Enum):
 
     @property
     def itemsize(self) -> int:
-        return {"fp32": 4, "fp16": 2, "bf16": 2}.get(self.value, 1)
+        return _ITEMSIZES[self._name_]  # by name: an Enum's .value is a slow descriptor
 
     @property
     def code(self) -> int:
@@ -90,6 +91,8 @@ class DType(str, enum.Enum):
         except ValueError:
             raise LayoutError(f"unsupported KV dtype {value!r}") from None
 
+
+_ITEMSIZES = {"FP32": 4, "FP16": 2, "BF16": 2, "FP8_E4M3": 1, "FP8_E5M2": 1}
 
 _DTYPE_CODES = {
     DType.FP32: 1,
@@ -284,10 +287,10 @@ class KVLayout:
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def head_bytes(self) -> int:
         """Bytes of one head of one token: the unit that is always contiguous."""
-        return self.head_dim * self.itemsize
+        return self.head_dim * self.dtype.itemsize
 
     @property
     def token_bytes_per_layer(self) -> int:

@@ -93,11 +93,14 @@ class TransferHandleBase(abc.ABC, Generic[R]):
     _what = "complete"
     _cancel_reason = "cancelled"
 
-    def __init__(self, request_id: str, total: int, on_cancel: Callable[[str], None]) -> None:
+    def __init__(
+        self, request_id: str, total: int, on_cancel: Callable[[str], None] | None = None
+    ) -> None:
         self.request_id = request_id
         self.total_bytes = total
         self._fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
-        self._on_cancel = on_cancel
+        if on_cancel is not None:  # else the subclass defines the _on_cancel method
+            self._on_cancel = on_cancel
         self._t0 = time.perf_counter()
 
     @abc.abstractmethod

@@ -125,9 +125,11 @@ class Expectations:
             ex.handle.finish()
             self.drop(ex)
             return
-        self._aborted.pop(key, None)
-        for peer, msg in self._early.pop(key, []):
-            self.deliver(ex, peer, msg)
+        if self._aborted:
+            self._aborted.pop(key, None)
+        if self._early:
+            for peer, msg in self._early.pop(key, ()):
+                self.deliver(ex, peer, msg)
 
     def drop(self, ex: Expect) -> None:
         key = ex.key
@@ -139,6 +141,10 @@ class Expectations:
             self._aborted[key] = None
             if len(self._aborted) > MAX_ABORTED:
                 del self._aborted[next(iter(self._aborted))]
+        if ex.handle.settled:
+            # the handle and its expectation refer to each other: unlinked,
+            # both are freed by reference counting, not by the garbage collector
+            ex.handle.owner = None
 
     def fail_peer(self, peer: UcxPeer, exc: KVBridgeError) -> None:
         """Fail every expectation bound to ``peer``."""
