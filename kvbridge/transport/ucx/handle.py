@@ -113,11 +113,21 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         return (yield from self._fut)  # done: returns or raises without yielding
 
     def _resolve(self, exc: BaseException | None) -> None:
-        super()._resolve(exc)
-        for w in self._waiters:
-            if not w.done():
-                w.set_result(None)
-        self._waiters.clear()
+        # TransferHandleBase._resolve without its clock read (the stats carry
+        # the times): this runs once per transfer, small ones included.
+        fut = self._fut
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(self.stats)
+        else:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: the owner may never await a failed handle
+        if self._waiters:
+            for w in self._waiters:
+                if not w.done():
+                    w.set_result(None)
+            self._waiters.clear()
 
     # -- state ------------------------------------------------------------------
     @property

@@ -79,7 +79,8 @@ class PeerHost(Protocol):
 
 
 def _table(bt: Any) -> np.ndarray:
-    return np.ascontiguousarray(bt, dtype=np.int64).reshape(-1)
+    t = np.ascontiguousarray(bt, dtype=np.int64)  # the same array when it already is one
+    return t if t.ndim == 1 else t.reshape(-1)
 
 
 class UcxPeer:
@@ -140,12 +141,17 @@ class UcxPeer:
         host = self._host
         lay = host.layout
         rid = str(request_id)
-        l0, l1 = lay.layer_range(layers)
-        hr = lay.check_heads(heads)  # LayoutError outside our heads
+        if layers is None and heads is None:  # every layer and head the cache holds
+            l0, l1 = 0, lay.num_layers
+            hr = lay.head_range
+            whole = True
+        else:
+            l0, l1 = lay.layer_range(layers)
+            hr = lay.check_heads(heads)  # LayoutError outside our heads
+            whole = hr == lay.head_range
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
-        whole = hr == lay.head_range
         if path == "put" and not whole:
             raise LayoutError("the put path sends whole pages: a head sub-range goes staged")
         if self.same_layout and path != "staging" and whole:
