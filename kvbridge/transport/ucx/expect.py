@@ -132,19 +132,20 @@ class Expectations:
                 self.deliver(ex, peer, msg)
 
     def drop(self, ex: Expect) -> None:
-        key = ex.key
+        h = ex.handle
+        key = (h.request_id, ex.heads)
         if self._table.get(key) is ex:
             del self._table[key]
             del self._tokens[ex.token]
             self._ledger.unregister(ex)
-        if ex.handle.exception() is not None:
-            self._aborted[key] = None
-            if len(self._aborted) > MAX_ABORTED:
-                del self._aborted[next(iter(self._aborted))]
-        if ex.handle.settled:
+        if h.settled:
+            if h.exception() is not None:
+                self._aborted[key] = None
+                if len(self._aborted) > MAX_ABORTED:
+                    del self._aborted[next(iter(self._aborted))]
             # the handle and its expectation refer to each other: unlinked,
             # both are freed by reference counting, not by the garbage collector
-            ex.handle.owner = None
+            h.owner = None
 
     def fail_peer(self, peer: UcxPeer, exc: KVBridgeError) -> None:
         """Fail every expectation bound to ``peer``."""
@@ -252,18 +253,23 @@ class Expectations:
         request, its tokens, layers inside its range, its peer); ``layers``
         had landed then."""
         ex = self._tokens.get(token)
-        if ex is None or ex.handle.settled:
+        if ex is None:
+            return
+        h = ex.handle
+        if h.settled:
             return
         if ex.peer is None:
             ex.peer = peer
-        stats = ex.handle.stats
+        stats = h.stats
         stats.path = stats.path or "put"
         stats.bytes += nbytes
         self._account(ex, ex.l1 - ex.l0 if complete else layers)
 
     def _account(self, ex: Expect, layers: int) -> None:
-        stats = ex.handle.stats
-        stats.layers_done = max(stats.layers_done, layers)
+        h = ex.handle
+        stats = h.stats
+        if layers > stats.layers_done:
+            stats.layers_done = layers
         if stats.layers_done >= ex.l1 - ex.l0:
-            ex.handle.finish()
+            h.finish()
             self.drop(ex)
