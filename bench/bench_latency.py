@@ -49,16 +49,21 @@ def test_latency_rows() -> None:
 
 
 def test_baseline_and_nixl_rows() -> None:
-    """A baseline tree adds a UCX poll row run by that tree; nixl-req adds
+    """A baseline tree adds UCX await and poll rows run by that tree; nixl-req adds
     NIXL driven with one handle per request (as vLLM's connector)."""
-    cfgs = latency.configs(["tcp"], ["kvb-ucx-poll", "nixl", "nixl-req"], 1000, baseline="/b")
+    libs = ["kvb-ucx", "kvb-ucx-poll", "nixl", "nixl-req"]
+    cfgs = latency.configs(["tcp"], libs, 1000, baseline="/b")
     by = {c.name: c for c in cfgs}
     assert list(by) == [
+        "kvbridge UCX tcp",
         "kvbridge UCX tcp poll",
+        "kvbridge UCX tcp baseline",
         "kvbridge UCX tcp poll baseline",
         "NIXL tcp",
         "NIXL tcp per request",
     ]
+    assert by["kvbridge UCX tcp baseline"].opts["tree"] == "/b"
+    assert "mode" not in by["kvbridge UCX tcp baseline"].opts
     assert by["kvbridge UCX tcp poll baseline"].opts["tree"] == "/b"
     assert by["NIXL tcp per request"].opts["per_request"] is True
     assert "per_request" not in by["NIXL tcp"].opts

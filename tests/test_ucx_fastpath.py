@@ -144,6 +144,37 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
     run(body)
 
 
+@pytest.mark.parametrize("busy_poll_us", [1000, 0])
+def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int) -> None:
+    """``await handle`` first polls the worker for a bounded slice (at most
+    the agent's busy_poll_us) and returns without a loop turn when the
+    transfer completes in it; with busy_poll_us=0 it polls once and waits."""
+    from kvbridge.transport.ucx.handle import AWAIT_SPIN_US
+
+    async def body() -> None:
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 2), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), busy_poll_us=busy_poll_us)
+        peer = await a.connect(b.metadata())
+        spins: list[int] = []
+        poll_now = b.poll_now
+
+        def recording(spin_us: int = 0) -> None:
+            spins.append(spin_us)
+            poll_now(spin_us)
+
+        b.poll_now = recording  # type: ignore[method-assign]
+        h = b.expect("inline", np.arange(3), 0, 20)
+        hs = peer.send("inline", np.arange(3), np.arange(3), 0, 20)
+        stats = await h  # no loop turn since expect(): h was not accounted yet
+        assert stats.bytes == SMALL.wire_nbytes(20)
+        assert AWAIT_SPIN_US in spins  # the await's own slice was asked for
+        await hs
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
 def test_cancelling_the_awaiting_task_leaves_the_receive_alone() -> None:
     async def body() -> None:
         src, dst = make_cache(SMALL, 8, 4), make_cache(SMALL, 8, None)

@@ -121,6 +121,17 @@ def configs(
                     tls,
                 )
             )
+        if baseline and "kvb-ucx" in libs:
+            out.append(
+                Config(
+                    f"kvbridge UCX {tls} baseline",
+                    "kvb-ucx",
+                    UCX_ENV[tls],
+                    {"busy_poll_us": polls[0], "poll_yield_us": yields[0], "tree": baseline},
+                    f"as the first await row; the kvbridge of {baseline}",
+                    tls,
+                )
+            )
         if baseline and "kvb-ucx-poll" in libs:
             out.append(
                 Config(
@@ -327,8 +338,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--baseline",
         metavar="DIR",
-        help="a kvbridge source tree whose TCP rows (and breakdown) and UCX poll rows run beside "
-        "the current ones (for UCX, copy the compiled kvbridge/*.so into it)",
+        help="a kvbridge source tree whose TCP rows (and breakdown) and first UCX await and poll "
+        "rows run beside the current ones (for UCX, copy the compiled kvbridge/*.so into it)",
     )
     p.add_argument(
         "--trace-count", type=int, default=300, help="transfers traced by --breakdown (TCP, UCX)"

@@ -286,12 +286,16 @@ class UcxAgent:
             self._kick()  # the data is probably on its way: poll for it a while
         return h
 
-    def poll_now(self) -> None:
-        """Progress the worker once and account what arrived (``done()`` of
-        a handle in flight calls it: a polling caller needs no loop wake-up)."""
+    def poll_now(self, spin_us: int = 0) -> None:
+        """Progress the worker once (``spin_us`` 0: what ``done()`` of a
+        handle in flight does, so a polling caller needs no loop wake-up),
+        or until something arrives within ``spin_us`` (at most the agent's
+        ``busy_poll_us``: what ``await handle`` does before it waits on the
+        loop), and account what arrived."""
         if self._closed or self._in_events or self._loop is None:
             return
-        if self._engine.poll(0, 0, 0):
+        spin = min(spin_us, self.busy_poll_us)
+        if self._engine.poll(spin, 0, self.poll_yield_us if spin else 0):
             self._on_events()
 
     async def close(self) -> None:

@@ -4,8 +4,11 @@
 
 ``done()`` of a handle still in flight progresses the worker once and
 accounts what arrived, so a caller that polls learns "landed" without an
-event-loop wake-up; ``await handle`` wakes the awaiting task with one loop
-hop (a waiter future resolved by the handle, not a shield's two)."""
+event-loop wake-up; ``await handle`` first polls the worker for one bounded
+slice (``AWAIT_SPIN_US``, at most the agent's ``busy_poll_us``) and goes on
+without a loop turn when that completes it, else wakes the awaiting task
+with one loop hop (a waiter future resolved by the handle, not a shield's
+two)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,10 @@ from typing import Any
 from ...errors import Cancelled, KVBridgeError, TransferTimeout
 from ..handle import TransferHandleBase
 
-__all__ = ["TransferHandle", "TransferStats"]
+__all__ = ["AWAIT_SPIN_US", "TransferHandle", "TransferStats"]
+
+# How long ``await handle`` polls the worker inline before it waits on the loop.
+AWAIT_SPIN_US = 50
 
 
 @dataclass(slots=True)
@@ -83,8 +89,9 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         # the owner's state: the staging task of a send, the expectation of a receive
         self.task: asyncio.Task[None] | None = None
         self.owner: Any = None
-        # progresses the worker once and accounts what arrived (set by the agent)
-        self.poller: Callable[[], None] | None = None
+        # progresses the worker (once, or for up to the given microseconds
+        # until something arrives) and accounts what arrived (set by the agent)
+        self.poller: Callable[[int], None] | None = None
         self._waiters: list[asyncio.Future[None]] = []
 
     # -- TransferHandleBase ---------------------------------------------------
@@ -100,6 +107,11 @@ class TransferHandle(TransferHandleBase[TransferStats]):
             self._timer = self._fut.get_loop().call_later(self._timeout, self._expire)
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
+        if not self._fut.done() and self.poller is not None:
+            # A small transfer is usually microseconds from done: poll the
+            # worker here for a bounded slice (the agent's busy-poll window,
+            # at most POLL_SLICE_US) before paying the loop hop of a waiter.
+            self.poller(AWAIT_SPIN_US)
         if not self._fut.done():
             # The task waits on a future of its own, resolved by _resolve: one
             # loop hop, and cancelling the task leaves the transfer alone.
@@ -139,7 +151,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         """Resolved; a handle still in flight first progresses the worker
         once and accounts what arrived (no event-loop round trip)."""
         if not self._fut.done() and self.poller is not None:
-            self.poller()
+            self.poller(0)
         return self._fut.done()
 
     def exception(self) -> BaseException | None:
