@@ -144,6 +144,25 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
     run(body)
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_expected_bytes_are_the_wire_bytes(mla: bool) -> None:
+    """expect() sizes a receive of all the cache's heads without the general
+    wire formula; it must agree with it for every layer range."""
+    lay = KVLayout(num_layers=3, num_kv_heads=1 if mla else 2, head_dim=16, page_tokens=4, mla=mla)
+
+    async def body() -> None:
+        b = ucx.UcxAgent(lay, make_cache(lay, 8, None))
+        for i, (layers, start, end) in enumerate(
+            [(None, 0, 13), ((1, 3), 2, 9), ((0, 0), 0, 4), (None, 5, 5)]
+        ):
+            h = b.expect(f"r{i}", np.arange(4), start, end, layers)
+            assert h.total_bytes == lay.wire_nbytes(end - start, layers), (layers, start, end)
+            h.cancel()
+        await b.close()
+
+    run(body)
+
+
 @pytest.mark.parametrize("busy_poll_us", [1000, 0])
 def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int) -> None:
     """``await handle`` first polls the worker for a bounded slice (at most

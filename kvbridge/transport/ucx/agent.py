@@ -59,7 +59,7 @@ from .metadata import AgentMetadata, encode_metadata
 from .peer import UcxPeer
 from .progress import LoopProgress, Progress, ThreadProgress
 from .regions import Registration, map_engine_error
-from .runs import CacheGeometry, check_table, plan_args
+from .runs import CacheGeometry, as_table, check_table, plan_args
 from .staging import Staging
 
 __all__ = ["UcxAgent"]
@@ -263,19 +263,23 @@ class UcxAgent:
         (default all the cache holds); one request may be expected once per
         head range, each from its own sender."""
         self._loop_now()
+        lay = self.layout
         rid = str(request_id)
-        hr = self.layout.check_heads(heads)  # LayoutError outside the cache's heads
+        hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
         if (rid, hr) in self.expectations:
             raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
-        l0, l1 = self.layout.layer_range(layers)
+        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
-        bt = np.asarray(block_table, dtype=np.int64).reshape(-1)
-        if self.layout.order is MemoryOrder.STRIDED:  # the cache maps its own block table
+        bt = as_table(block_table)
+        if lay.order is MemoryOrder.STRIDED:  # the cache maps its own block table
             self.cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
         else:
             check_table(self.geometry, bt, start, end)  # raises PageIndexError
-        total = self.layout.wire_nbytes(end - start, (l0, l1), hr)
+        if heads is None:  # all our heads: one token of one layer is token_bytes
+            total = (l1 - l0) * (end - start) * self.token_bytes
+        else:
+            total = lay.wire_nbytes(end - start, (l0, l1), hr)
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
         ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token, hr)
         self._next_token += 1

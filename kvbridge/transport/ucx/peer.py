@@ -15,7 +15,7 @@ from ...layout import KVLayout
 from .handle import TransferHandle
 from .messages import Kind, Message
 from .metadata import AgentMetadata, RegionKind
-from .runs import CacheGeometry
+from .runs import CacheGeometry, as_table
 
 if TYPE_CHECKING:
     from .staging import Staging
@@ -76,11 +76,6 @@ class PeerHost(Protocol):
     def post_message(
         self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
     ) -> None: ...
-
-
-def _table(bt: Any) -> np.ndarray:
-    t = np.ascontiguousarray(bt, dtype=np.int64)  # the same array when it already is one
-    return t if t.ndim == 1 else t.reshape(-1)
 
 
 class UcxPeer:
@@ -164,8 +159,8 @@ class UcxPeer:
             )
             posted = host.put_range(
                 self,
-                _table(block_table),
-                _table(remote_block_table),
+                as_table(block_table),
+                as_table(remote_block_table),
                 start,
                 end,
                 l0,

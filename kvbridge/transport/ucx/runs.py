@@ -12,6 +12,7 @@ block tables are runs of consecutive pages becomes a handful of puts instead of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +20,15 @@ import numpy.typing as npt
 from ...errors import LayoutError, PageIndexError
 from ...layout import HeadOrder, KVLayout, MemoryOrder
 
-__all__ = ["CacheGeometry", "check_table", "coalesce", "page_pieces", "plan_args", "put_runs"]
+__all__ = [
+    "CacheGeometry",
+    "as_table",
+    "check_table",
+    "coalesce",
+    "page_pieces",
+    "plan_args",
+    "put_runs",
+]
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -40,6 +49,13 @@ class CacheGeometry:
     @property
     def num_regions(self) -> int:
         return 1 if self.layout.stacked else self.layout.num_layers
+
+
+def as_table(block_table: Any) -> I64:
+    """A block table as a flat C-contiguous int64 array (the same array when
+    it already is one)."""
+    t = np.ascontiguousarray(block_table, dtype=np.int64)
+    return t if t.ndim == 1 else t.reshape(-1)
 
 
 def check_table(geom: CacheGeometry, block_table: I64, start: int, end: int) -> None:
