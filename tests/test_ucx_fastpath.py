@@ -163,16 +163,21 @@ def test_expected_bytes_are_the_wire_bytes(mla: bool) -> None:
     run(body)
 
 
-@pytest.mark.parametrize("busy_poll_us", [1000, 0])
-def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int) -> None:
-    """``await handle`` first polls the worker for a bounded slice (at most
-    the agent's busy_poll_us) and returns without a loop turn when the
-    transfer completes in it; with busy_poll_us=0 it polls once and waits."""
-    from kvbridge.transport.ucx.handle import AWAIT_SPIN_US
+@pytest.mark.parametrize(("busy_poll_us", "tokens"), [(1000, 20), (0, 20), (1000, 500)])
+def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int, tokens: int) -> None:
+    """``await handle`` of a small transfer first polls the worker for a
+    bounded slice (at most the agent's busy_poll_us) and returns without a
+    loop turn when the transfer completes in it; with busy_poll_us=0 it
+    polls once and waits; a transfer above AWAIT_SPIN_MAX_BYTES (500 tokens
+    of SMALL: 500 KiB) is not spun for."""
+    from kvbridge.transport.ucx.handle import AWAIT_SPIN_MAX_BYTES, AWAIT_SPIN_US
+
+    small = SMALL.wire_nbytes(tokens) <= AWAIT_SPIN_MAX_BYTES
+    pages = -(-tokens // SMALL.page_tokens)
 
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 2), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), busy_poll_us=busy_poll_us)
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, pages, 2), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, pages, None), busy_poll_us=busy_poll_us)
         peer = await a.connect(b.metadata())
         spins: list[int] = []
         poll_now = b.poll_now
@@ -182,11 +187,12 @@ def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int) -> No
             poll_now(spin_us)
 
         b.poll_now = recording  # type: ignore[method-assign]
-        h = b.expect("inline", np.arange(3), 0, 20)
-        hs = peer.send("inline", np.arange(3), np.arange(3), 0, 20)
+        bt = np.arange(pages)
+        h = b.expect("inline", bt, 0, tokens)
+        hs = peer.send("inline", bt, bt, 0, tokens)
         stats = await h  # no loop turn since expect(): h was not accounted yet
-        assert stats.bytes == SMALL.wire_nbytes(20)
-        assert AWAIT_SPIN_US in spins  # the await's own slice was asked for
+        assert stats.bytes == SMALL.wire_nbytes(tokens)
+        assert (AWAIT_SPIN_US in spins) == small  # the await's own slice, if small
         await hs
         await a.close()
         await b.close()

@@ -4,8 +4,9 @@
 
 ``done()`` of a handle still in flight progresses the worker once and
 accounts what arrived, so a caller that polls learns "landed" without an
-event-loop wake-up; ``await handle`` first polls the worker for one bounded
-slice (``AWAIT_SPIN_US``, at most the agent's ``busy_poll_us``) and goes on
+event-loop wake-up; ``await handle`` of a small transfer first polls the
+worker for one bounded slice (``AWAIT_SPIN_US``, at most the agent's
+``busy_poll_us``) and goes on
 without a loop turn when that completes it, else wakes the awaiting task
 with one loop hop (a waiter future resolved by the handle, not a shield's
 two)."""
@@ -21,10 +22,14 @@ from typing import Any
 from ...errors import Cancelled, KVBridgeError, TransferTimeout
 from ..handle import TransferHandleBase
 
-__all__ = ["AWAIT_SPIN_US", "TransferHandle", "TransferStats"]
+__all__ = ["AWAIT_SPIN_MAX_BYTES", "AWAIT_SPIN_US", "TransferHandle", "TransferStats"]
 
-# How long ``await handle`` polls the worker inline before it waits on the loop.
+# How long ``await handle`` of a small transfer (at most AWAIT_SPIN_MAX_BYTES)
+# polls the worker inline before it waits on the loop.  A large transfer is
+# not microseconds from done: its await gives the core away at once (on a
+# small machine a spinning await takes it from the engine's own compute).
 AWAIT_SPIN_US = 50
+AWAIT_SPIN_MAX_BYTES = 256 * 1024
 
 
 @dataclass(slots=True)
@@ -107,10 +112,14 @@ class TransferHandle(TransferHandleBase[TransferStats]):
             self._timer = self._fut.get_loop().call_later(self._timeout, self._expire)
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
-        if not self._fut.done() and self.poller is not None:
+        if (
+            not self._fut.done()
+            and self.poller is not None
+            and self.total_bytes <= AWAIT_SPIN_MAX_BYTES
+        ):
             # A small transfer is usually microseconds from done: poll the
-            # worker here for a bounded slice (the agent's busy-poll window,
-            # at most POLL_SLICE_US) before paying the loop hop of a waiter.
+            # worker here for a bounded slice (at most the agent's
+            # busy_poll_us) before paying the loop hop of a waiter.
             self.poller(AWAIT_SPIN_US)
         if not self._fut.done():
             # The task waits on a future of its own, resolved by _resolve: one
