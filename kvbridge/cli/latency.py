@@ -149,30 +149,25 @@ def configs(
                     tls,
                 )
             )
-        if "nixl" in libs:
-            out.append(
-                Config(
-                    f"NIXL {tls}",
-                    "nixl",
-                    {**UCX_ENV[tls], **SEG_ENV},
-                    NIXL_TUNED,
-                    f"one handle re-posted; progress thread off, ucx_error_handling_mode=none, "
-                    f"{TUNED}",
-                    tls,
-                )
-            )
-        if "nixl-req" in libs:
-            out.append(
-                Config(
-                    f"NIXL {tls} per request",
-                    "nixl",
-                    {**UCX_ENV[tls], **SEG_ENV},
-                    {**NIXL_TUNED, "per_request": True},
-                    "a handle per request (make_prepped_xfer, notification = request id, "
-                    "released when DONE), as vLLM's NIXL connector; otherwise as the NIXL row",
-                    tls,
-                )
-            )
+        nixl_rows = [
+            (
+                "nixl",
+                "",
+                NIXL_TUNED,
+                f"one handle re-posted; progress thread off, ucx_error_handling_mode=none, {TUNED}",
+            ),
+            (
+                "nixl-req",
+                " per request",
+                {**NIXL_TUNED, "per_request": True},
+                "a handle per request (make_prepped_xfer, notification = request id, "
+                "released when DONE), as vLLM's NIXL connector; otherwise as the NIXL row",
+            ),
+        ]
+        for lib, suffix, nixl_opts, setting in nixl_rows:
+            if lib in libs:
+                env = {**UCX_ENV[tls], **SEG_ENV}
+                out.append(Config(f"NIXL {tls}{suffix}", "nixl", env, nixl_opts, setting, tls))
     return out
 
 
