@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._pack.engines import CPU_ISAS
 from ...errors import Unavailable
 from ...pack import PagedKVCache
 
@@ -35,7 +36,7 @@ def _cpu_isa(tensors: list[Any]) -> str | None:
     head_size = int(tensors[0].shape[-1]) // 2
     kernel_block = int(tensors[0].shape[2])
     isa = _get_attn_isa(tensors[0].dtype, kernel_block, head_size)
-    return str(isa) if isa in ("vec", "vec16", "amx") else None
+    return str(isa) if isa in CPU_ISAS else None
 
 
 def describe_vllm_cache(

@@ -6,10 +6,9 @@
 accounts what arrived, so a caller that polls learns "landed" without an
 event-loop wake-up; ``await handle`` of a small transfer first polls the
 worker for one bounded slice (``AWAIT_SPIN_US``, at most the agent's
-``busy_poll_us``) and goes on
-without a loop turn when that completes it, else wakes the awaiting task
-with one loop hop (a waiter future resolved by the handle, not a shield's
-two)."""
+``busy_poll_us``) and goes on without a loop turn when that completes it,
+else wakes the awaiting task with one loop hop (a waiter future resolved by
+the handle, not a shield's two)."""
 
 from __future__ import annotations
 
@@ -134,16 +133,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         return (yield from self._fut)  # done: returns or raises without yielding
 
     def _resolve(self, exc: BaseException | None) -> None:
-        # TransferHandleBase._resolve without its clock read (the stats carry
-        # the times): this runs once per transfer, small ones included.
-        fut = self._fut
-        if fut.done():
-            return
-        if exc is None:
-            fut.set_result(self.stats)
-        else:
-            fut.set_exception(exc)
-            fut.exception()  # retrieved: the owner may never await a failed handle
+        super()._resolve(exc)
         if self._waiters:
             for w in self._waiters:
                 if not w.done():

@@ -25,8 +25,8 @@ DEFAULT_UCX_CONFIG = {
     # Puts spread over two lanes where the peer is reachable through two
     # devices (two TCP connections: lo and eth0 between processes on one
     # host), as NIXL configures its UCX context; UCX's default is one.
-    # 4096 puts of 64 KiB over `tcp` on a 2-core x86 VM: 0.61x -> 0.98x a
-    # tuned NIXL (docs/ucx.md).
+    # 4096 puts of 64 KiB over `tcp` on a 2-core x86 VM: 0.61x -> 1.14x a
+    # tuned NIXL (docs/ucx.md, "Two RMA rails").
     "MAX_RMA_RAILS": "2",
 }
 
