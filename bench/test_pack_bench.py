@@ -109,6 +109,9 @@ def test_ratio_table_row() -> None:
             "memcpy_1", "memcpy_n", "pack", "torch_pack", "unpack", "torch_unpack",
         }  # fmt: skip
         assert row["threads"] == 2 and all(v > 0 for v in row["seconds"].values())
+        share = row["huge_pages"]
+        assert set(share) == {"cache", "memcpy_src", "wire", "unpack_src"}
+        assert all(0.0 <= v <= 1.0 for v in share.values())
         rows.append(row)
     assert "tiny vLLM" in format_table(rows)
     check = measure_checksum(tiny[1], 0.25, reps=1, warmup=0, tick=lambda: None)

@@ -464,6 +464,41 @@ class PagedKVCache:
             + (lay.head_dim - 1) * s.elem
         )
 
+    def memory_spans(self) -> list[tuple[int, int]]:
+        """The ``(start, end)`` address spans that hold the cache's bytes, every
+        layer's components merged where they touch."""
+        from .memory import merged_spans
+
+        return merged_spans(
+            [
+                (ptr, ptr + self._extent(c))
+                for row in self._component_ptrs
+                for c, ptr in enumerate(row)
+            ]
+        )
+
+    def advise_huge_pages(self, *, collapse: bool = True) -> int:
+        """Ask the kernel to back this host cache with 2 MiB pages
+        (``madvise`` ``MADV_HUGEPAGE`` then ``MADV_COLLAPSE``, in place, the
+        contents kept; see :mod:`kvbridge._pack.memory`); return the bytes of
+        the cache that huge pages back afterwards.  An engine calls it once,
+        after allocating its cache: torch allocates on 4 KiB pages where the
+        system's THP mode is ``madvise``, and a gather of random blocks then
+        pays a TLB miss per block (measured in docs/pack.md).  Raises
+        :class:`~kvbridge.errors.Unavailable` for a CUDA cache or where the
+        system has no transparent huge pages."""
+        from .memory import advise_huge_pages
+
+        if self.is_cuda:
+            raise Unavailable("huge pages are for host memory; this cache is on " + self._device)
+        return sum(advise_huge_pages(a, b - a, collapse=collapse) for a, b in self.memory_spans())
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of the cache that huge pages back now (``/proc/self/smaps``)."""
+        from .memory import huge_page_bytes
+
+        return sum(huge_page_bytes(a, b - a) for a, b in self.memory_spans())
+
     def layer_views(self) -> list[Any]:
         """One array per layer: views into a stacked array (no copies); the
         per-layer tensors as given; for other engines' caches, the tensors

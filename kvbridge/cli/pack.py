@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import KVBridgeError, LayoutError
+from ..errors import KVBridgeError, LayoutError, Unavailable
 from ..layout import DType, KVLayout
 
 KIB = 1024
@@ -131,6 +131,34 @@ def _contiguous_copier(nbytes: int, seed: int) -> tuple[Any, Any]:
     )
     src = PagedKVCache.allocate(lay, 1, fill="random", seed=seed)
     return src, src.range([0], 0, tokens, writable=False)
+
+
+def _page_backing(s: Setup, copier_cache: Any, advise: bool) -> dict[str, float]:
+    """With ``advise``, ask for huge pages on every buffer of the case (the
+    engine's cache, the memcpy's source, the wire, the unpack's source), so
+    that pack and memcpy read memory of the same page size; then the share
+    of each on huge pages.  Without it each buffer stays as its allocator
+    left it: torch's (a vLLM cache) on 4 KiB pages where THP is
+    ``madvise``, numpy's (the memcpy's source, the wire) on huge pages,
+    since numpy asks for them."""
+    from .._pack.memory import advise_huge_pages, huge_page_bytes
+
+    caches = {"cache": s.cache, "memcpy_src": copier_cache}
+    arrays = {"wire": s.wire, "unpack_src": s.src}
+    if advise:
+        try:
+            for c in caches.values():
+                c.advise_huge_pages()
+            for a in arrays.values():
+                advise_huge_pages(a)
+        except Unavailable:
+            pass  # no THP here: the shares below say so
+    share = {
+        k: c.huge_page_bytes() / max(1, sum(b - a for a, b in c.memory_spans()))
+        for k, c in caches.items()
+    }
+    share.update({k: huge_page_bytes(a) / max(1, a.nbytes) for k, a in arrays.items()})
+    return share
 
 
 @dataclass
@@ -246,14 +274,16 @@ def measure(
     num_threads: int,
     tick: Callable[[], None],
     seed: int = 0,
+    huge_pages: bool = True,
 ) -> dict[str, Any]:
     """Time one case; return its row (seconds, GB/s and ratios)."""
     import torch
 
     n = num_threads or default_threads()
     s = _setup_vllm(case, wire_mib, seed) if case.vllm else _setup_native(case, wire_mib, seed)
-    _copier_cache, copier = _contiguous_copier(s.wire.nbytes, seed)
+    copier_cache, copier = _contiguous_copier(s.wire.nbytes, seed)
     assert copier.nbytes == s.wire.nbytes
+    backing = _page_backing(s, copier_cache, huge_pages)
     fns: dict[str, Callable[[], Any]] = {
         "memcpy_1": lambda: np.copyto(s.wire, s.src),
         "memcpy_n": lambda: copier.pack(s.wire, num_threads=n),
@@ -295,6 +325,7 @@ def measure(
         "wire_bytes": int(s.wire.nbytes),
         "tokens": int(s.rng.end),
         "threads": n,
+        "huge_pages": backing,
         "seconds": t,
         "gb_per_s": gbs,
         **ratios,
@@ -376,12 +407,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--cases", default="", help="only cases whose name contains this")
     parser.add_argument("--no-checksum", action="store_true", help="skip the checksum table")
+    parser.add_argument(
+        "--as-allocated",
+        action="store_true",
+        help="leave each buffer on the pages its allocator gave it (default: ask for huge "
+        "pages on every buffer, so that pack and memcpy read the same page size)",
+    )
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'case':<27}{'page':>9}{'wire':>9}{'mcpy 1':>8}{'mcpy N':>8}{'pack':>7}{'x mcpy':>8}"
-        f"{'x torch':>8}{'unpack':>8}{'x mcpy':>8}{'x torch':>8}  target"
+        f"{'x torch':>8}{'unpack':>8}{'x mcpy':>8}{'x torch':>8}{'huge %':>9}  target"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -390,15 +427,21 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['case']:<27}{r['page_bytes'] // KIB:>6} KiB{r['wire_bytes'] / MIB:>5.0f} MiB"
             f"{g['memcpy_1']:>8.1f}{g['memcpy_n']:>8.1f}{g['pack']:>7.1f}{r['pack_vs_memcpy']:>8.2f}"
             f"{r['pack_vs_torch']:>8.2f}{g['unpack']:>8.1f}{r['unpack_vs_memcpy']:>8.2f}"
-            f"{r['unpack_vs_torch']:>8.2f}  {'ok' if r['meets_targets'] else 'MISS'}"
+            f"{r['unpack_vs_torch']:>8.2f}{_huge_cell(r['huge_pages']):>9}"
+            f"  {'ok' if r['meets_targets'] else 'MISS'}"
             f" (>= {r['target_vs_memcpy']}x memcpy)"
         )
     threads = sorted({r["threads"] for r in rows})
     lines.append(
         f"GB/s columns: median bandwidth, N = {','.join(map(str, threads))} threads for pack, "
-        "memcpy N and torch; x mcpy: kvbridge over the faster memcpy; x torch: over torch."
+        "memcpy N and torch; x mcpy: kvbridge over the faster memcpy; x torch: over torch; "
+        "huge %: share of the engine's cache / of the memcpy's source on huge pages."
     )
     return "\n".join(lines)
+
+
+def _huge_cell(share: dict[str, float]) -> str:
+    return f"{100 * share['cache']:.0f}/{100 * share['memcpy_src']:.0f}"
 
 
 def format_checksum_table(rows: list[dict[str, Any]]) -> str:
@@ -443,7 +486,12 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=total, desc="pack bench", unit="rep", file=sys.stderr) as bar:
         for case in todo:
             bar.set_postfix_str(case.name)
-            rows.append(measure(case, mib, reps, args.warmup, args.threads, lambda: bar.update(1)))
+            rows.append(
+                measure(
+                    case, mib, reps, args.warmup, args.threads, lambda: bar.update(1),
+                    huge_pages=not args.as_allocated,
+                )
+            )  # fmt: skip
         for case in sums:
             bar.set_postfix_str(f"{case.name} checksum")
             checks.append(measure_checksum(case, mib, reps, args.warmup, lambda: bar.update(1)))

@@ -11,13 +11,14 @@ module only says how the backend splits the last dimension into K and V
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ..._pack.engines import CPU_ISAS
 from ...errors import Unavailable
 from ...pack import PagedKVCache
 
-__all__ = ["describe_vllm_cache"]
+__all__ = ["advise_huge_pages", "describe_vllm_cache"]
 
 
 def _kv_split() -> str:
@@ -57,3 +58,17 @@ def describe_vllm_cache(
         tensors, kv_split=split, block_tokens=int(block_size), name=name, cpu_isa=isa
     )
     return cache, 1
+
+
+def advise_huge_pages(cache: PagedKVCache) -> str:
+    """Ask for huge pages under a CPU cache (vLLM allocates it with torch, on
+    4 KiB pages where the system's THP mode is ``madvise``); a phrase for the
+    connector's log line saying what came of it."""
+    total = sum(b - a for a, b in cache.memory_spans())
+    t0 = time.perf_counter()
+    try:
+        huge = cache.advise_huge_pages()
+    except Unavailable as e:
+        return f", on 4 KiB pages ({e})"
+    took = time.perf_counter() - t0
+    return f", {huge / max(1, total):.0%} of {total / 2**30:.2f} GiB on huge pages ({took:.2f} s)"

@@ -13,7 +13,8 @@ Every key is optional (docs/vllm.md lists them with their defaults)::
      "recv_timeout_s": 60, "ticket_timeout_s": 30, "send_timeout_s": 60,
      "lease_s": 30, "connect_timeout_s": 10, "reconnect_timeout_s": 5,
      "layerwise": true, "metrics_addr": null,  # "host:port": the bridge's own /metrics
-     "idle_wait_s": 0.002}                 # an engine that only waits for KV steps this slowly
+     "idle_wait_s": 0.002,                 # an engine that only waits for KV steps this slowly
+     "huge_pages": true}                   # a CPU cache: ask for 2 MiB pages (docs/pack.md)
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class ConnectorConfig:
     layerwise: bool = True
     metrics_addr: tuple[str, int] | None = None
     idle_wait_s: float = 0.002
+    huge_pages: bool = True
 
     @classmethod
     def from_extra(
@@ -138,6 +140,7 @@ class ConnectorConfig:
             connect_timeout_s=_seconds(d, "connect_timeout_s", 10.0),
             reconnect_timeout_s=_seconds(d, "reconnect_timeout_s", 5.0),
             layerwise=bool(d.get("layerwise", True)),
+            huge_pages=bool(d.get("huge_pages", True)),
             idle_wait_s=_seconds(d, "idle_wait_s", 0.002),
             metrics_addr=maddr,
         )

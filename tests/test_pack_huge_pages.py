@@ -1,0 +1,105 @@
+"""Huge pages under a host KV cache: ``advise_huge_pages`` keeps every byte,
+reports what the kernel did, and refuses what it cannot do with a typed
+error."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from kvbridge._pack import memory
+from kvbridge._pack.memory import (
+    HUGE_PAGE,
+    advise_huge_pages,
+    huge_page_bytes,
+    merged_spans,
+    thp_setting,
+)
+from kvbridge.errors import InvalidArgument, Unavailable
+from kvbridge.pack import HAS_CORE, PagedKVCache
+
+HAS_THP = thp_setting() in ("always", "madvise")
+needs_thp = pytest.mark.skipif(not HAS_THP, reason="no transparent huge pages on this system")
+
+
+def test_merged_spans() -> None:
+    assert merged_spans([(10, 20), (0, 5), (5, 8), (15, 30), (40, 40)]) == [(0, 8), (10, 30)]
+    assert merged_spans([]) == []
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidArgument, match="needs nbytes"):
+        advise_huge_pages(4096)
+    if HAS_THP:
+        with pytest.raises(InvalidArgument, match=">= 0"):
+            advise_huge_pages(4096, -1)
+
+
+def test_no_thp_is_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.setattr(memory, "_THP_SETTING", "/nonexistent/thp")
+    with pytest.raises(Unavailable, match="no transparent huge pages"):
+        advise_huge_pages(np.zeros(4 * HUGE_PAGE, np.uint8))
+
+
+@needs_thp
+def test_marked_range_faults_in_huge_pages() -> None:
+    """A fresh mapping marked before its first touch is faulted in on huge
+    pages (any kernel with THP), and only the frames inside it are advised."""
+    n = 8 * HUGE_PAGE
+    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    a = np.frombuffer(m, np.uint8)
+    assert huge_page_bytes(a) == 0
+    advise_huge_pages(a, collapse=False)
+    a[:] = 7  # first touch
+    got = huge_page_bytes(a)
+    assert HUGE_PAGE <= got <= a.nbytes and got % HUGE_PAGE == 0
+    assert int(a.sum(dtype=np.int64)) == 7 * a.nbytes
+    del a
+    m.close()
+
+
+@needs_thp
+def test_collapse_keeps_every_byte() -> None:
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, 6 * HUGE_PAGE + 12345, dtype=np.uint8)
+    before = a.copy()
+    got = advise_huge_pages(a)
+    assert 0 <= got <= a.nbytes
+    assert got == huge_page_bytes(a)
+    np.testing.assert_array_equal(a, before)
+
+
+@pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
+def test_cache_advise_keeps_what_pack_reads() -> None:
+    torch = pytest.importorskip("torch")
+    from kvbridge.testing.engine_caches import vllm_kv_caches
+
+    caches = vllm_kv_caches(
+        num_layers=3, num_blocks=64, num_kv_heads=3, block_size=16, head_size=64,
+        dtype=torch.bfloat16, layout="LBHNC",
+    )  # fmt: skip
+    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
+    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    cache = PagedKVCache.from_vllm(caches)
+    # one flat buffer: the spans are exactly its bytes
+    (span,) = cache.memory_spans()
+    assert span == (flat.data_ptr(), flat.data_ptr() + flat.numel())
+    bt = np.random.default_rng(0).permutation(64)[:20].astype(np.int32)
+    rng = cache.range(bt, 5, 20 * 16 - 3)
+    before = rng.pack()
+    try:
+        got = cache.advise_huge_pages()
+    except Unavailable:
+        pytest.skip("no transparent huge pages on this system")
+    assert got == cache.huge_page_bytes() and 0 <= got <= flat.numel()
+    np.testing.assert_array_equal(rng.pack(), before)
+
+
+def test_connector_setting() -> None:
+    from kvbridge.integrations.vllm.config import ConnectorConfig
+
+    on = ConnectorConfig.from_extra({}, engine_id="e", model="m")
+    off = ConnectorConfig.from_extra({"huge_pages": False}, engine_id="e", model="m")
+    assert on.huge_pages and not off.huge_pages
