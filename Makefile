@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
 BENCH_FILES := -o python_files='test_*.py bench_*.py'
 
-.PHONY: all venv build test test-fast chaos bench bench-quick demo lint format asan cuda-check fuzz clean inplace \
+.PHONY: all venv build test test-fast chaos bench bench-quick bench-targets demo lint format asan cuda-check fuzz clean inplace \
 	vllm-venv test-vllm demo-vllm
 
 all: build
@@ -42,6 +42,12 @@ chaos: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(BENCH_FILES) bench --benchmark-only
+
+# The performance targets side by side in one run, with NIXL and Mooncake's
+# transfer engine from PyPI beside kvbridge (docs/performance.md).
+bench-targets: $(STAMP)
+	$(BIN)/pip install -q nixl==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1
+	BIN=$(BIN) bash bench/targets.sh
 
 demo: $(STAMP)
 	$(BIN)/kvbridge-bench demo
