@@ -16,7 +16,7 @@ import xxhash
 from kvbridge import errors
 from kvbridge.layout import KVLayout
 from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack, xxh3_64
-from kvbridge.testing.engine_caches import vllm_kv_caches
+from kvbridge.testing.engine_caches import random_fill, vllm_kv_caches
 from kvbridge.testing.pack_ref import ref_pack, ref_unpack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
@@ -141,8 +141,7 @@ def test_checksum_for_transposed_and_strided_vllm_caches() -> None:
         num_layers=2, num_blocks=12, num_kv_heads=3, block_size=32, head_size=64,
         dtype=torch.bfloat16, layout="LBHNC",
     )  # fmt: skip
-    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    random_fill(caches)
     for split in ("cpu", "last_dim"):
         isa = "vec" if split == "cpu" else None  # the vec kernels' layout on every CPU
         cache = PagedKVCache.from_vllm(caches, kv_split=split, cpu_isa=isa)
@@ -160,8 +159,7 @@ def test_checksum_over_whole_layers_of_packed_kv() -> None:
         num_layers=3, num_blocks=10, num_kv_heads=2, block_size=16, head_size=64,
         dtype=torch.float16, layout="BLHNC",
     )  # fmt: skip
-    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    random_fill(caches)
     cache = PagedKVCache.from_vllm(caches)
     bt = [7, 2, 9, 0, 5, 1]
     ref = ref_pack(cache, bt, 0, 96).numpy()

@@ -74,14 +74,13 @@ def test_collapse_keeps_every_byte() -> None:
 @pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
 def test_cache_advise_keeps_what_pack_reads() -> None:
     torch = pytest.importorskip("torch")
-    from kvbridge.testing.engine_caches import vllm_kv_caches
+    from kvbridge.testing.engine_caches import random_fill, vllm_kv_caches
 
     caches = vllm_kv_caches(
         num_layers=3, num_blocks=64, num_kv_heads=3, block_size=16, head_size=64,
         dtype=torch.bfloat16, layout="LBHNC",
     )  # fmt: skip
-    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
-    flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8))
+    flat = random_fill(caches)
     cache = PagedKVCache.from_vllm(caches)
     # one flat buffer: the spans are exactly its bytes
     (span,) = cache.memory_spans()

@@ -15,16 +15,10 @@ import torch
 from kvbridge import errors
 from kvbridge.layout import KVLayout, tp_head_range
 from kvbridge.pack import HAS_CORE, KVRange, PagedKVCache, pack, unpack, wire_nbytes
-from kvbridge.testing.engine_caches import read_vllm, vllm_kv_caches, write_vllm
+from kvbridge.testing.engine_caches import random_fill, read_vllm, vllm_kv_caches, write_vllm
 from kvbridge.testing.pack_ref import ref_pack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
-
-
-def _random_fill(caches: list[torch.Tensor], seed: int) -> None:
-    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
-    g = torch.Generator().manual_seed(seed)
-    flat.copy_(torch.randint(0, 256, flat.shape, generator=g, dtype=torch.uint8))
 
 
 # ---- block ratios ----------------------------------------------------------------
@@ -38,7 +32,7 @@ def test_manager_blocks_map_to_kernel_blocks(order: str, ratio: int) -> None:
         num_layers=2, num_blocks=blocks, num_kv_heads=2, block_size=manager, head_size=16,
         dtype=torch.bfloat16, layout=order, kernel_block_size=kernel,
     )  # fmt: skip
-    _random_fill(caches, ratio)
+    random_fill(caches, ratio)
     assert caches[0].shape[0] == blocks * ratio and caches[0].shape[2] == kernel
     cache = PagedKVCache.from_vllm(caches, block_tokens=manager)
     assert cache.block_ratio == ratio and cache.num_pages == blocks * ratio
@@ -103,7 +97,7 @@ def _tp_cache(tp: int, rank: int, pages: int, seed: int) -> tuple[PagedKVCache, 
         num_layers=3, num_blocks=pages, num_kv_heads=local, block_size=16, head_size=32,
         dtype=torch.bfloat16, layout="LBHNC" if rank % 2 else "BLNHC",
     )  # fmt: skip
-    _random_fill(caches, seed)
+    random_fill(caches, seed)
     cache = PagedKVCache.from_vllm(caches, head_start=start, model_kv_heads=HEADS)
     return cache, caches
 
@@ -278,7 +272,7 @@ def test_random_ranges_of_vllm_caches_match_the_reference() -> None:
             num_layers=3, num_blocks=9, num_kv_heads=3, block_size=8, head_size=8,
             dtype=torch.float16, layout=order,
         )  # fmt: skip
-        _random_fill(caches, rng.randrange(1000))
+        random_fill(caches, rng.randrange(1000))
         cache = PagedKVCache.from_vllm(caches)
         for _ in range(8):
             s = rng.randrange(60)

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvbridge.pack import HAS_CORE, PagedKVCache  # noqa: E402
-from kvbridge.testing.engine_caches import VLLM_LAYOUTS, vllm_kv_caches  # noqa: E402
+from kvbridge.testing.engine_caches import VLLM_LAYOUTS, random_fill, vllm_kv_caches  # noqa: E402
 from kvbridge.testing.pack_ref import ref_pack  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
@@ -32,9 +32,8 @@ def _cache(order: str, head_size: int, seed: int) -> tuple[PagedKVCache, list[in
         num_layers=layers, num_blocks=2 * blocks, num_kv_heads=heads, block_size=block,
         head_size=head_size, dtype=torch.bfloat16, layout=order,
     )  # fmt: skip
-    flat = torch.empty(0, dtype=torch.uint8).set_(caches[0].untyped_storage())
-    gen = torch.Generator().manual_seed(seed)
-    flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
+    random_fill(caches, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     table = torch.randperm(2 * blocks, generator=gen)[:blocks].tolist()
     return PagedKVCache.from_vllm(caches), table, blocks * block - 5
 

@@ -37,6 +37,7 @@ from ..errors import InvalidArgument, LayoutError
 
 __all__ = [
     "VLLM_LAYOUTS",
+    "random_fill",
     "read_sglang",
     "read_vllm",
     "sglang_mha_buffers",
@@ -112,6 +113,16 @@ def vllm_kv_caches(
     strides = _layout_strides(shape, order, (layer_stride, block_stride, None, None, None))
     view5 = torch.as_strided(raw, shape, strides, raw.storage_offset())
     return [view5[layer].view(dtype) for layer in range(num_layers)]
+
+
+def random_fill(caches: list[torch.Tensor], seed: int = 0) -> torch.Tensor:
+    """Random bytes (from ``seed``) in all of the storage under ``caches`` (vLLM's
+    per-layer views of one buffer); returns that storage as a flat uint8 tensor."""
+    flat = torch.empty(0, dtype=torch.uint8, device=caches[0].device)
+    flat.set_(caches[0].untyped_storage())
+    gen = torch.Generator().manual_seed(seed)
+    flat.copy_(torch.randint(0, 256, flat.shape, generator=gen, dtype=torch.uint8))
+    return flat
 
 
 def write_vllm(
