@@ -477,6 +477,10 @@ class PagedKVCache:
             ]
         )
 
+    def memory_nbytes(self) -> int:
+        """Bytes of the spans that hold the cache (:meth:`memory_spans`)."""
+        return sum(b - a for a, b in self.memory_spans())
+
     def advise_huge_pages(self, *, collapse: bool = True) -> int:
         """Ask the kernel to back this host cache with 2 MiB pages
         (``madvise`` ``MADV_HUGEPAGE`` then ``MADV_COLLAPSE``, in place, the

@@ -32,7 +32,6 @@ from .plumbing import _data_ptr, _is_tensor
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
-MADV_NOHUGEPAGE = 15
 MADV_COLLAPSE = 25
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 _HUGE_FIELDS = ("AnonHugePages:", "FilePmdMapped:", "ShmemPmdMapped:")

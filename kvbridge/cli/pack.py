@@ -153,10 +153,7 @@ def _page_backing(s: Setup, copier_cache: Any, advise: bool) -> dict[str, float]
                 advise_huge_pages(a)
         except Unavailable:
             pass  # no THP here: the shares below say so
-    share = {
-        k: c.huge_page_bytes() / max(1, sum(b - a for a, b in c.memory_spans()))
-        for k, c in caches.items()
-    }
+    share = {k: c.huge_page_bytes() / max(1, c.memory_nbytes()) for k, c in caches.items()}
     share.update({k: huge_page_bytes(a) / max(1, a.nbytes) for k, a in arrays.items()})
     return share
 

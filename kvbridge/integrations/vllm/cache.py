@@ -18,7 +18,7 @@ from ..._pack.engines import CPU_ISAS
 from ...errors import Unavailable
 from ...pack import PagedKVCache
 
-__all__ = ["advise_huge_pages", "describe_vllm_cache"]
+__all__ = ["ask_huge_pages", "describe_vllm_cache"]
 
 
 def _kv_split() -> str:
@@ -60,11 +60,11 @@ def describe_vllm_cache(
     return cache, 1
 
 
-def advise_huge_pages(cache: PagedKVCache) -> str:
+def ask_huge_pages(cache: PagedKVCache) -> str:
     """Ask for huge pages under a CPU cache (vLLM allocates it with torch, on
     4 KiB pages where the system's THP mode is ``madvise``); a phrase for the
     connector's log line saying what came of it."""
-    total = sum(b - a for a, b in cache.memory_spans())
+    total = cache.memory_nbytes()
     t0 = time.perf_counter()
     try:
         huge = cache.advise_huge_pages()

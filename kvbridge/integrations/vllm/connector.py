@@ -30,7 +30,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...bridge.sync import SyncBridge
-from .cache import advise_huge_pages, describe_vllm_cache
+from .cache import ask_huge_pages, describe_vllm_cache
 from .config import ConnectorConfig
 from .plan import StepPlan, WorkerReport
 from .scheduler import ConnectorScheduler
@@ -198,7 +198,7 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         names = sorted(kv_caches, key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
         cache, ratio = describe_vllm_cache(tensors, self._block_size, self._kv_cache_config)
-        pages = advise_huge_pages(cache) if self.cfg.huge_pages and not cache.is_cuda else ""
+        pages = ask_huge_pages(cache) if self.cfg.huge_pages and not cache.is_cuda else ""
         self._worker.register(cache, names, ratio)
         logger.info(
             "kvbridge %s: %s, %d layers, %d kernel blocks per vLLM block%s%s",

@@ -265,10 +265,10 @@ class UcxAgent:
         self._loop_now()
         lay = self.layout
         rid = str(request_id)
-        hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
+        hr = lay.check_heads(heads)  # LayoutError outside the cache's heads
         if (rid, hr) in self.expectations:
             raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
-        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
+        l0, l1 = lay.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = as_table(block_table)

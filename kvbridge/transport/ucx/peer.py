@@ -136,14 +136,9 @@ class UcxPeer:
         host = self._host
         lay = host.layout
         rid = str(request_id)
-        if layers is None and heads is None:  # every layer and head the cache holds
-            l0, l1 = 0, lay.num_layers
-            hr = lay.head_range
-            whole = True
-        else:
-            l0, l1 = lay.layer_range(layers)
-            hr = lay.check_heads(heads)  # LayoutError outside our heads
-            whole = hr == lay.head_range
+        l0, l1 = lay.layer_range(layers)
+        hr = lay.check_heads(heads)  # LayoutError outside our heads
+        whole = hr == lay.head_range
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
