@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from ucx_cases import SMALL, make_cache, same_tokens
 
-from kvbridge.errors import IncompatiblePeer, InvalidArgument, RemoteProtocolError
+from kvbridge.errors import IncompatiblePeer, InvalidArgument, PeerGone, RemoteProtocolError
 from kvbridge.layout import DType, KVLayout
 from kvbridge.transport import ucx
 from kvbridge.transport.ucx.loader import load
@@ -254,6 +254,41 @@ def test_parts_the_table_does_not_take_still_reach_python() -> None:
             await hy.wait(5)
         for ag in (a, b, c):
             await ag.close()
+
+    run(body)
+
+
+def test_a_part_read_after_its_peer_failed_fails_the_receive() -> None:
+    """The engine can hand Python a peer's failure and a part that peer sent
+    before it died in one drain, the failure first (or the part in a later
+    drain): the receive, still unbound when the failure came, fails as soon
+    as the part binds it to the gone peer, not at its deadline.  A part that
+    completes the receive still completes it."""
+
+    async def body() -> None:
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        await a.connect(b.metadata())
+        (pb,) = b.peers
+        bt = np.arange(4)
+        part, whole, staged = (b.expect(r, bt, 0, 30, timeout=30) for r in ("p", "w", "s"))
+        await a.close()
+        for _ in range(500):
+            if pb.error is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert isinstance(pb.error, PeerGone)
+        assert not (part.done() or whole.done() or staged.done())  # unbound: nothing to fail
+        b.expectations.on_landed(part.owner.token, 0, pb, 1, False)
+        with pytest.raises(PeerGone):
+            await part.wait(1)
+        b.expectations.on_landed(whole.owner.token, 0, pb, SMALL.num_layers, True)
+        assert (await whole.wait(1)).layers_done == SMALL.num_layers
+        req = Message(Kind.STAGE_REQ, pb.agent_id, "s", 0, 30, 0, 1, nbytes=1)
+        b.expectations.on_part(pb, req, SMALL.head_range)
+        with pytest.raises(PeerGone):
+            await staged.wait(1)
+        await b.close()
 
     run(body)
 

@@ -240,6 +240,10 @@ class Expectations:
             self.landed(ex, m.l0, m.l1)
         elif m.kind is Kind.STAGE_REQ:
             h.stats.path = "staging"
+            if peer.error is not None:  # it died after asking: nothing more will come
+                h.fail(peer.error)
+                self.drop(ex)
+                return
             self._staged(ex, peer, m)
 
     def landed(self, ex: Expect, l0: int, l1: int) -> None:
@@ -272,4 +276,10 @@ class Expectations:
             stats.layers_done = layers
         if stats.layers_done >= ex.l1 - ex.l0:
             h.finish()
+            self.drop(ex)
+        elif ex.peer is not None and ex.peer.error is not None:
+            # a part that was read after its peer's failure (both in one
+            # drain, or the part later): fail_peer found the expectation
+            # unbound, and the rest of it will never come
+            h.fail(ex.peer.error)
             self.drop(ex)
