@@ -253,6 +253,7 @@ class Engine {
   void signal_python();
   bool python_work() const;
   void wake_thread();
+  void leave_polling();
   void thread_main(unsigned spin_us);
   bool take_sync(uint64_t op_id, int* status);
   bool apply_done(const void* data, size_t length);
@@ -297,6 +298,7 @@ class Engine {
   std::atomic<int64_t> activity_ns_{0};  // last post or poll (steady clock)
   std::atomic<int64_t> polled_ns_{0};    // last progress by a poller outside the thread
   std::atomic<bool> sleeping_{false};    // the thread is in epoll_wait
+  std::atomic<bool> standing_down_{false};  // ... on its wake fd alone, while another polls
 };
 
 }  // namespace kvb::ucx

@@ -73,9 +73,23 @@ bool Engine::poll(unsigned max_us, uint64_t token, unsigned yield_us) {
     if (Clock::now() >= until) break;
     if (now - last_event >= quiet) sched_yield();  // the peer may need this core
   }
-  pollers_.fetch_sub(1);
-  activity_ns_.store(Clock::now().time_since_epoch().count());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    leave_polling();
+  }
   return queued;
+}
+
+void Engine::leave_polling() {
+  activity_ns_.store(Clock::now().time_since_epoch().count());
+  // The last poller outside the thread is done.  A thread that stood down
+  // for it sleeps on its wake fd alone (up to 1 ms, deaf to the worker's
+  // events): wake it now, or what arrives next waits for that timeout.
+  if (pollers_.fetch_sub(1) == 1 && thread_on_ && standing_down_.load()) {
+    uint64_t one = 1;
+    ssize_t rc = ::write(wake_fd_, &one, sizeof(one));
+    (void)rc;
+  }
 }
 
 bool Engine::arm() {
@@ -115,10 +129,9 @@ void Engine::set_polling(bool on) {
   if (on) {
     pollers_.fetch_add(1);
   } else {
-    pollers_.fetch_sub(1);
-    activity_ns_.store(Clock::now().time_since_epoch().count());
+    leave_polling();
     if (!results_.empty() || !failures_.empty() || !messages_.empty()) signal_python();
-    wake_thread();
+    wake_thread();  // the thread takes over (and spins a while: the loop's window ended)
   }
 }
 
@@ -158,12 +171,15 @@ void Engine::thread_main(unsigned spin_us) {
     const auto polled = Clock::time_point(Clock::duration(polled_ns_.load()));
     if (pollers_.load() > 0 && Clock::now() - polled < std::chrono::microseconds(200)) {
       sleeping_.store(true);
+      standing_down_.store(true);
       epoll_event got;
-      if (::epoll_wait(ep_wake, &got, 1, 1) > 0) {
+      // the poller may have left between the check above and the flag
+      if (pollers_.load() > 0 && ::epoll_wait(ep_wake, &got, 1, 1) > 0) {
         uint64_t v = 0;
         ssize_t rc = ::read(wake_fd_, &v, sizeof(v));
         (void)rc;
       }
+      standing_down_.store(false);
       sleeping_.store(false);
       last_event = Clock::now();
       continue;

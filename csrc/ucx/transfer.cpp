@@ -335,8 +335,7 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
       polled_ns_.store(now.time_since_epoch().count());
       done = take_sync(id, &status);
     } while (!done && Clock::now() < until);
-    pollers_.fetch_sub(1);
-    activity_ns_.store(Clock::now().time_since_epoch().count());
+    leave_polling();
     if (done) return {id, status};
   }
   // Still in flight: its result comes through drain().
