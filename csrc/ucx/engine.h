@@ -295,9 +295,9 @@ class Engine {
   // Busy-pollers outside the thread (an inline put spin, the loop's poll):
   // while there is one, the thread sleeps instead of spinning.
   std::atomic<int> pollers_{0};
-  std::atomic<int64_t> activity_ns_{0};  // last post or poll (steady clock)
-  std::atomic<int64_t> polled_ns_{0};    // last progress by a poller outside the thread
-  std::atomic<bool> sleeping_{false};    // the thread is in epoll_wait
+  std::atomic<int64_t> activity_ns_{0};     // last post or poll (steady clock)
+  std::atomic<int64_t> polled_ns_{0};       // last progress by a poller outside the thread
+  std::atomic<bool> sleeping_{false};       // the thread is in epoll_wait
   std::atomic<bool> standing_down_{false};  // ... on its wake fd alone, while another polls
 };
 
