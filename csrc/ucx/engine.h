@@ -253,7 +253,7 @@ class Engine {
   void signal_python();
   bool python_work() const;
   void wake_thread();
-  void leave_polling();
+  void leave_polling();  // with mu_ held: a poller outside the thread is done
   void thread_main(unsigned spin_us);
   bool take_sync(uint64_t op_id, int* status);
   bool apply_done(const void* data, size_t length);
