@@ -13,8 +13,10 @@ from kvbridge._pack import memory
 from kvbridge._pack.memory import (
     HUGE_PAGE,
     advise_huge_pages,
+    advise_spans,
     huge_page_bytes,
     merged_spans,
+    spans_huge_page_bytes,
     thp_setting,
 )
 from kvbridge.errors import InvalidArgument, Unavailable
@@ -84,6 +86,22 @@ def test_collapse_keeps_every_byte() -> None:
     assert 0 <= got <= a.nbytes
     assert got == huge_page_bytes(a)
     np.testing.assert_array_equal(a, before)
+
+
+@needs_thp
+def test_spans_are_advised_and_read_together() -> None:
+    """Several buffers at once: every byte kept, and one reading of smaps
+    over all of them says what reading it for each says."""
+    rng = np.random.default_rng(2)
+    bufs = [rng.integers(0, 256, k * HUGE_PAGE + 999, dtype=np.uint8) for k in (3, 5)]
+    before = [b.copy() for b in bufs]
+    spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in bufs]
+    got = advise_spans(spans)
+    assert got == spans_huge_page_bytes(spans) == sum(huge_page_bytes(b) for b in bufs)
+    for b, old in zip(bufs, before, strict=True):
+        np.testing.assert_array_equal(b, old)
+    with pytest.raises(InvalidArgument, match="ends before it starts"):
+        advise_spans([(10, 5)])
 
 
 @pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")

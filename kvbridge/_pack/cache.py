@@ -491,17 +491,17 @@ class PagedKVCache:
         pays a TLB miss per block (measured in docs/pack.md).  Raises
         :class:`~kvbridge.errors.Unavailable` for a CUDA cache or where the
         system has no transparent huge pages."""
-        from .memory import advise_huge_pages
+        from .memory import advise_spans
 
         if self.is_cuda:
             raise Unavailable("huge pages are for host memory; this cache is on " + self._device)
-        return sum(advise_huge_pages(a, b - a, collapse=collapse) for a, b in self.memory_spans())
+        return advise_spans(self.memory_spans(), collapse=collapse)
 
     def huge_page_bytes(self) -> int:
         """Bytes of the cache that huge pages back now (``/proc/self/smaps``)."""
-        from .memory import huge_page_bytes
+        from .memory import spans_huge_page_bytes
 
-        return sum(huge_page_bytes(a, b - a) for a, b in self.memory_spans())
+        return spans_huge_page_bytes(self.memory_spans())
 
     def layer_views(self) -> list[Any]:
         """One array per layer: views into a stacked array (no copies); the

@@ -84,12 +84,17 @@ def _span(obj: Any, nbytes: int | None) -> tuple[int, int]:
 def huge_page_bytes(obj: Any, nbytes: int | None = None) -> int:
     """Bytes of ``[addr, addr + nbytes)`` (or of an array's or tensor's memory)
     that the mappings holding it back with huge pages, from
-    ``/proc/self/smaps`` (``AnonHugePages`` and ``FilePmdMapped`` of each
-    mapping, counted up to the part of it inside the range).  0 where there
-    is no ``/proc``."""
+    ``/proc/self/smaps``.  0 where there is no ``/proc``."""
     lo, n = _span(obj, nbytes)
-    hi = lo + n
-    total = 0
+    return spans_huge_page_bytes([(lo, lo + n)])
+
+
+def spans_huge_page_bytes(spans: list[tuple[int, int]]) -> int:
+    """Bytes of the ``(start, end)`` spans (apart from each other) that huge
+    pages back: ``AnonHugePages``, ``FilePmdMapped`` and ``ShmemPmdMapped``
+    of each mapping in ``/proc/self/smaps``, read once, counted up to the
+    part of the mapping inside each span.  0 where there is no ``/proc``."""
+    totals = [0] * len(spans)
     start = end = 0
     try:
         with open("/proc/self/smaps") as f:
@@ -98,12 +103,14 @@ def huge_page_bytes(obj: Any, nbytes: int | None = None) -> int:
                 if "-" in head and ":" not in head:
                     a, b = head.split("-")
                     start, end = int(a, 16), int(b, 16)
-                elif end > lo and start < hi and line.startswith(_HUGE_FIELDS):
-                    inside = min(end, hi) - max(start, lo)
-                    total += min(int(line.split()[1]) * 1024, inside)
+                elif line.startswith(_HUGE_FIELDS):
+                    huge = int(line.split()[1]) * 1024
+                    for i, (lo, hi) in enumerate(spans):
+                        if end > lo and start < hi:
+                            totals[i] += min(huge, min(end, hi) - max(start, lo))
     except OSError:
         return 0
-    return min(total, n)
+    return sum(min(t, hi - lo) for t, (lo, hi) in zip(totals, spans, strict=True))
 
 
 def advise_huge_pages(obj: Any, nbytes: int | None = None, *, collapse: bool = True) -> int:
@@ -121,26 +128,35 @@ def advise_huge_pages(obj: Any, nbytes: int | None = None, *, collapse: bool = T
     lo, n = _span(obj, nbytes)
     if n < 0:
         raise InvalidArgument(f"nbytes must be >= 0, got {n}")
+    return advise_spans([(lo, lo + n)], collapse=collapse)
+
+
+def advise_spans(spans: list[tuple[int, int]], *, collapse: bool = True) -> int:
+    """:func:`advise_huge_pages` for each ``(start, end)`` span (apart from
+    each other), then one reading of what huge pages back of them all."""
+    if any(b < a for a, b in spans):
+        raise InvalidArgument(f"a span ends before it starts: {spans}")
     mode = thp_setting() if sys.platform.startswith("linux") else ""
     if mode in ("", "never"):
         raise Unavailable(
             "this system has no transparent huge pages "
             f"({'THP is never' if mode == 'never' else 'no ' + _THP_SETTING})"
         )
-    a = -(-lo // HUGE_PAGE) * HUGE_PAGE
-    b = (lo + n) // HUGE_PAGE * HUGE_PAGE
-    if b <= a:
-        return huge_page_bytes(lo, n)
-    err = _madvise(a, b - a, MADV_HUGEPAGE)
-    if err:
-        raise Unavailable(f"madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}")
-    if collapse:
-        err = _madvise(a, b - a, MADV_COLLAPSE)
-        # EINVAL: a kernel before 6.1; EAGAIN / ENOMEM: no free huge frames
-        # now.  The range stays marked either way.
-        if err not in (0, errno.EINVAL, errno.EAGAIN, errno.ENOMEM):
-            raise Unavailable(f"madvise(MADV_COLLAPSE) failed: {os.strerror(err)}")
-    return huge_page_bytes(lo, n)
+    for lo, hi in spans:
+        a = -(-lo // HUGE_PAGE) * HUGE_PAGE
+        b = hi // HUGE_PAGE * HUGE_PAGE
+        if b <= a:
+            continue
+        err = _madvise(a, b - a, MADV_HUGEPAGE)
+        if err:
+            raise Unavailable(f"madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}")
+        if collapse:
+            err = _madvise(a, b - a, MADV_COLLAPSE)
+            # EINVAL: a kernel before 6.1; EAGAIN / ENOMEM: no free huge
+            # frames now.  The range stays marked either way.
+            if err not in (0, errno.EINVAL, errno.EAGAIN, errno.ENOMEM):
+                raise Unavailable(f"madvise(MADV_COLLAPSE) failed: {os.strerror(err)}")
+    return spans_huge_page_bytes(spans)
 
 
 def merged_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
