@@ -38,16 +38,14 @@ SEND_AT = 0.0017  # the sender calls send()
 
 def _side(conn: Any, role: int, tls: str, tree: str | None, samples: int) -> None:
     os.environ["UCX_TLS"] = tls
-    if tree:  # the baseline's kvbridge, not this one (nor the editable install's)
-        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
-        sys.path.insert(0, tree)
     import numpy as np
 
     from kvbridge.cli import latency_peers as lp
+
+    if tree:  # the baseline's kvbridge, not this one
+        lp = lp.import_from_tree(tree, "kvbridge.cli.latency_peers")
     from kvbridge.transport.tcp import run
 
-    if tree and not str(lp.__file__).startswith(os.path.abspath(tree)):
-        raise RuntimeError(f"kvbridge imported from {lp.__file__}, not from {tree}")
     lay = lp.page_layout(4096)
     now = time.monotonic
 

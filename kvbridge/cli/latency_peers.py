@@ -48,11 +48,13 @@ def side_main(
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def _from_tree(tree: str) -> Any:
-    """``side_main`` of the kvbridge package under ``tree`` (a source tree
-    such as ``git archive <commit> kvbridge | tar -x -C DIR``), imported in
-    place of this one: this process forgets every kvbridge module and the
-    editable install's redirection, then imports from ``tree`` first."""
+def import_from_tree(tree: str, module: str) -> Any:
+    """``module`` of the kvbridge package under ``tree`` (a source tree such
+    as ``git archive <commit> kvbridge | tar -x -C DIR``, its compiled
+    ``kvbridge/*.so`` copied in), imported in place of this one: this
+    process forgets every kvbridge module and the editable install's
+    redirection, then imports from ``tree`` first (so do its later imports
+    of kvbridge)."""
     import importlib
     import sys
 
@@ -62,9 +64,16 @@ def _from_tree(tree: str) -> Any:
     sys.path.insert(0, tree)
     for name in [m for m in sys.modules if m == "kvbridge" or m.startswith("kvbridge.")]:
         del sys.modules[name]
-    mod = importlib.import_module("kvbridge.cli.latency_peers")
+    mod = importlib.import_module(module)
     if not str(mod.__file__).startswith(os.path.abspath(tree)):
         raise KVBridgeError(f"kvbridge was imported from {mod.__file__}, not from {tree}")
+    return mod
+
+
+def _from_tree(tree: str) -> Any:
+    """``side_main`` of the kvbridge package under ``tree``
+    (:func:`import_from_tree`)."""
+    mod = import_from_tree(tree, "kvbridge.cli.latency_peers")
 
     def side(
         conn: Any, kind: str, role: int, env: dict[str, str], size: int, opts: dict[str, Any]
