@@ -31,6 +31,33 @@ def test_latency_small() -> None:
         assert len(c.samples) == 20, c.name
 
 
+def test_placement() -> None:
+    """pinned: side 0 of a pair on one CPU, side 1 on another (its threads
+    too); shared: both on one; os: the kernel's; anything else refused."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    assert latency.side_cpus("os") is None
+    assert latency.side_cpus("shared") == (cpus[0], cpus[0])
+    with pytest.raises(KVBridgeError, match="placement"):
+        latency.side_cpus("spread")
+    if len(cpus) < 2:
+        assert latency.side_cpus("pinned") is None
+        return
+    assert latency.side_cpus("pinned") == (cpus[0], cpus[1])
+    cfg = latency.configs(["tcp"], ["uvloop"], 1000)[0]
+    pair = latency.Pair(cfg, 4096, 4, latency.side_cpus("pinned"))
+    try:
+        pair.start(60.0)
+        for role, p in enumerate(pair.procs):
+            for tid in os.listdir(f"/proc/{p.pid}/task"):
+                assert os.sched_getaffinity(int(tid)) == {cpus[role]}, (role, tid)
+        samples, _ = pair.burst(3, 60.0)
+        assert len(samples) == 3
+    finally:
+        pair.close()
+
+
 def test_latency_rows() -> None:
     """Every busy_poll_us x poll_yield_us pair gets an awaiting row, every
     poll_yield_us a polling row; the first values are the unmarked defaults."""

@@ -12,6 +12,16 @@ P99, and ratios against uvloop and NIXL over the same UCX_TLS measured in the
 same run.  ``--busy`` adds a load point with one core kept busy by a spinning
 process.
 
+At the idle load point the two sides of every pair run pinned to two CPUs
+(``--placement pinned``, the default: each side and all its threads on its
+own CPU), the same for every row.  Left to the kernel (``--placement os``),
+the sides of a pair, asleep between their turns, are sometimes woken onto
+one CPU and stay there for the short burst of their turn (load balancing
+takes a few milliseconds), and the pair's legs then measure the scheduler
+sharing that CPU, not the transport: ``--placement shared`` measures that
+case on purpose.  With a core busy the kernel places the sides (pinned, one
+side would share the busy core by construction).
+
 ``--baseline DIR`` adds kvbridge TCP rows run by another kvbridge source tree
 (say the commit before a change: ``git archive <commit> kvbridge | tar -x -C
 DIR``), beside the current ones, so that before and after are measured side
@@ -26,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -60,6 +71,12 @@ class Config:
 
 
 TCP_SETTING = "1 stream, no compression, checksums on"
+# Where the two sides of a pair run at the idle load point: "pinned", side 0
+# on one CPU and side 1 on another (all their threads), as latency
+# benchmarks are run; "shared", both on one CPU; "os", where the kernel
+# places them.  With a core busy the kernel always places them (pinned, one
+# side would share the busy core by construction).
+PLACEMENTS = ("pinned", "shared", "os")
 
 
 def configs(
@@ -171,8 +188,29 @@ def configs(
     return out
 
 
+def side_cpus(placement: str) -> tuple[int, int] | None:
+    """The CPUs of side 0 and side 1 for ``placement`` (of the CPUs this
+    process may use: the first two for "pinned", the first for "shared"),
+    or None ("os", or "pinned" with fewer than two CPUs)."""
+    if placement not in PLACEMENTS:
+        raise KVBridgeError(f"placement {placement!r}: one of {', '.join(PLACEMENTS)}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if placement == "shared":
+        return cpus[0], cpus[0]
+    return (cpus[0], cpus[1]) if placement == "pinned" and len(cpus) >= 2 else None
+
+
+def placement_line(placement: str) -> str:
+    cpus = side_cpus(placement)
+    if cpus is None:
+        return "the kernel places the two sides of every pair"
+    return f"side 0 of every pair on CPU {cpus[0]}, side 1 on CPU {cpus[1]}"
+
+
 class Pair:
-    def __init__(self, cfg: Config, size: int, count: int) -> None:
+    def __init__(
+        self, cfg: Config, size: int, count: int, cpus: tuple[int, int] | None = None
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.cfg = cfg
         self.conns = []
@@ -184,7 +222,7 @@ class Pair:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=side_main,
-                args=(child, cfg.kind, role, cfg.env, size, opts),
+                args=(child, cfg.kind, role, cfg.env, size, opts, cpus[role] if cpus else None),
                 daemon=True,
                 name=f"{cfg.name} side {role}",
             )
@@ -237,12 +275,19 @@ class Pair:
 
 
 def measure(
-    cfgs: list[Config], size: int, warmup: int, rounds: int, burst: int, timeout: float
+    cfgs: list[Config],
+    size: int,
+    warmup: int,
+    rounds: int,
+    burst: int,
+    timeout: float,
+    placement: str = "pinned",
 ) -> None:
+    cpus = side_cpus(placement)
     pairs: list[Pair] = []
     try:
         for cfg in cfgs:
-            pair = Pair(cfg, size, warmup + rounds * burst + 8)
+            pair = Pair(cfg, size, warmup + rounds * burst + 8, cpus)
             try:
                 pair.start(timeout)
                 pair.burst(warmup, timeout)
@@ -325,6 +370,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--busy", action="store_true", help="also measure with one core kept busy")
     p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="pinned",
+        help="where the two sides of every pair run at the idle load point: pinned, side 0 on "
+        "the first CPU and side 1 on the second (default); shared, both on the first; os, where "
+        "the kernel places them (with a core busy, always there)",
+    )
+    p.add_argument(
         "--breakdown",
         action="store_true",
         help="also show where the time of one small TCP transfer goes (two processes) "
@@ -351,6 +404,7 @@ def run(args: Any) -> int:
     ok = True
     loads = ["idle", "1 busy"] if args.busy else ["idle"]
     print(f"# kvbridge-bench latency {' '.join(sys.argv[2:])}")
+    cpus = side_cpus(args.placement)
     baseline = getattr(args, "baseline", None)
     for load in loads:
         for size in [int(s) for s in args.sizes.split(",")]:
@@ -361,15 +415,17 @@ def run(args: Any) -> int:
                 [int(x) for x in str(args.poll_yield_us).split(",")],
                 baseline,
             )
+            placement = args.placement if load == "idle" else "os"
+            print(f"# {size} bytes, {load}: {placement_line(placement)}")
             with spinning_core(load != "idle"):
-                measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout)
+                measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout, placement)
             print(format_rows(cfgs, size, load), flush=True)
             ok = ok and all(not c.error for c in cfgs)
     if args.breakdown and "kvb-tcp" in libs:
         trees = [("current", None)] + ([("baseline", baseline)] if baseline else [])
         for size in [int(s) for s in args.sizes.split(",")]:
             for label, tree in trees:
-                trace, legs, total = tcp_trace(size, args.trace_count, tree, args.timeout)
+                trace, legs, total = tcp_trace(size, args.trace_count, tree, args.timeout, cpus)
                 print(
                     f"# where the time goes: one {size}-byte kvbridge TCP transfer ({label}), "
                     f"two processes, {legs} of {total} transfers in this order, median times"
@@ -390,7 +446,9 @@ def run(args: Any) -> int:
                     "poll_yield_us": int(str(args.poll_yield_us).split(",")[0]),
                 }
                 for mode in ("await", "poll"):
-                    steps, half = ucx_trace(t, size, args.trace_count, mode, first, args.timeout)
+                    steps, half = ucx_trace(
+                        t, size, args.trace_count, mode, first, args.timeout, cpus
+                    )
                     print(
                         f"# where the time goes: UCX_TLS={t}, {size} bytes, two processes "
                         f"ping-ponging ({mode}; {first}), median of {args.trace_count} legs "
@@ -403,7 +461,7 @@ def run(args: Any) -> int:
 
 # ---- where the time goes: one small TCP transfer, traced in both processes ---------------------
 def tcp_trace(
-    size: int, count: int, tree: str | None, timeout: float
+    size: int, count: int, tree: str | None, timeout: float, cpus: tuple[int, int] | None = None
 ) -> tuple[list[tuple[float, float, str]], int, int]:
     """Send ``count`` transfers of ``size`` bytes one at a time from side 0
     to side 1 with every frame, handle, task and thread hop recorded on both
@@ -417,7 +475,7 @@ def tcp_trace(
     if tree:
         opts["tree"] = tree
     cfg = Config("kvbridge TCP traced", "kvb-tcp-trace", {}, opts, TCP_SETTING)
-    pair = Pair(cfg, size, count + 8)
+    pair = Pair(cfg, size, count + 8, cpus)
     try:
         pair.start(timeout)
         a, b = pair.burst_both(count, timeout)
@@ -536,7 +594,13 @@ UCX_TRACE_STEPS = (
 
 
 def ucx_trace(
-    tls: str, size: int, count: int, mode: str, opts: dict[str, Any], timeout: float
+    tls: str,
+    size: int,
+    count: int,
+    mode: str,
+    opts: dict[str, Any],
+    timeout: float,
+    cpus: tuple[int, int] | None = None,
 ) -> tuple[list[tuple[str, float]], float]:
     """Ping-pong ``count`` legs of ``size`` bytes between two processes over
     ``UCX_TLS=tls`` (``mode`` "await" or "poll"), each side stamping its
@@ -544,7 +608,7 @@ def ucx_trace(
     Returns the median microseconds of each of UCX_TRACE_STEPS (the first
     fifth of the legs dropped as warm-up) and the median half round trip."""
     cfg = Config("kvbridge UCX traced", "kvb-ucx-trace", UCX_ENV[tls], {**opts, "mode": mode}, "")
-    pair = Pair(cfg, size, count)
+    pair = Pair(cfg, size, count, cpus)
     try:
         pair.start(timeout)
         a, b = pair.burst_both(count, timeout)

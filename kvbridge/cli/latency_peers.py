@@ -35,9 +35,21 @@ def page_layout(size: int) -> KVLayout:
 
 
 def side_main(
-    conn: Any, kind: str, role: int, env: dict[str, str], size: int, opts: dict[str, Any]
+    conn: Any,
+    kind: str,
+    role: int,
+    env: dict[str, str],
+    size: int,
+    opts: dict[str, Any],
+    cpu: int | None = None,
 ) -> None:
+    """One side of a pair, in its own process; with ``cpu``, every thread of
+    the process (those its imports started too) and every thread it starts
+    run on that CPU only."""
     os.environ.update(env)
+    if cpu is not None:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), {cpu})
     try:
         tree = opts.get("tree")
         if tree:  # another kvbridge source tree (the baseline): its own side runs
