@@ -101,6 +101,10 @@ bool Engine::apply_done(const void* data, size_t length) {
   mark_layers(e, d.l0, d.l1);
   landed_.push_back(
       {e.token, d.l0, d.l1, d.nbytes, e.sender, e.landed.size() - e.missing, e.missing == 0});
+  if (e.missing == 0) {  // complete: reported as such, and forgotten here (Python drops it)
+    expects_.erase(id->second);
+    expect_ids_.erase(id);
+  }
   return true;
 }
 

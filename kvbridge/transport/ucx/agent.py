@@ -445,7 +445,7 @@ class UcxAgent:
         if len(rid_bytes) > MAX_RID:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
         try:
-            op, status, nruns, nbytes = self._engine.put_range(
+            posted = self._engine.put_range(
                 peer.ep,
                 peer.plan,
                 block_table,
@@ -464,9 +464,7 @@ class UcxAgent:
             raise LayoutError(str(e)) from None
         except Exception as e:
             raise map_engine_error(e, "UCX put") from None
-        if status == _TINY:
-            return None
-        return op, status, nruns, nbytes
+        return None if posted[1] == _TINY else posted  # (op, status, runs, bytes)
 
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
         """``h`` completes with the put ``op`` (``status``: its outcome, or

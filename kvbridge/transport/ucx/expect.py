@@ -58,6 +58,7 @@ class Expect:
     peer: UcxPeer | None  # bound at expect(peer=...) or by the first part
     token: int  # its entry in the ledger
     heads: tuple[int, int]  # the model's KV heads [h0, h1) this part brings
+    in_ledger: bool = True  # False once the ledger reported it complete (and forgot it)
 
     @property
     def request_id(self) -> str:
@@ -73,7 +74,10 @@ class Ledger(Protocol):
 
     def register(self, ex: Expect) -> None: ...
 
-    def unregister(self, ex: Expect) -> None: ...
+    def unregister(self, ex: Expect) -> None:
+        """Forget ``ex`` (not called for one whose completing part landed in
+        the ledger itself: :meth:`Expectations.on_landed` with ``complete``;
+        the ledger forgot it then)."""
 
     def mark(self, ex: Expect, l0: int, l1: int) -> int:
         """Layers ``[l0, l1)`` of ``ex`` landed (and ``ex.peer`` is its
@@ -137,7 +141,8 @@ class Expectations:
         if self._table.get(key) is ex:
             del self._table[key]
             del self._tokens[ex.token]
-            self._ledger.unregister(ex)
+            if ex.in_ledger:
+                self._ledger.unregister(ex)
         if h.settled:
             if h.exception() is not None:
                 self._aborted[key] = None
@@ -259,6 +264,8 @@ class Expectations:
         ex = self._tokens.get(token)
         if ex is None:
             return
+        if complete:
+            ex.in_ledger = False
         h = ex.handle
         if h.settled:
             return

@@ -81,14 +81,18 @@ class TransferHandle(TransferHandleBase[TransferStats]):
     ) -> None:
         # _on_cancel is a method here, not a bound method stored on the
         # handle: no reference cycle, so a finished handle is freed at once
-        # (by reference counting) instead of by the garbage collector.
-        super().__init__(request_id, total)
-        self.stats = TransferStats(request_id, direction)
-        self._cancel_reason = f"{direction} cancelled"
+        # (by reference counting) instead of by the garbage collector.  The
+        # base's fields are set here, not through its __init__: every
+        # transfer makes one or two handles, on the path of a small one.
+        self.request_id = request_id
+        self.total_bytes = total
+        loop = asyncio.get_running_loop()
+        self._fut: asyncio.Future[TransferStats] = loop.create_future()
+        self.stats = TransferStats(request_id, direction, started=time.monotonic())
         self._on_abort = on_abort
         self._timeout = timeout
         self._timer: asyncio.TimerHandle | None = (
-            self._fut.get_loop().call_later(timeout, self._expire) if armed else None
+            loop.call_later(timeout, self._expire) if armed else None
         )
         # the owner's state: the staging task of a send, the expectation of a receive
         self.task: asyncio.Task[None] | None = None
@@ -99,6 +103,10 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         self._waiters: list[asyncio.Future[None]] = []
 
     # -- TransferHandleBase ---------------------------------------------------
+    @property
+    def _cancel_reason(self) -> str:  # type: ignore[override]
+        return f"{self.stats.direction} cancelled"
+
     def _moved_bytes(self) -> int:
         return min(self.stats.bytes, self.total_bytes)
 
@@ -133,7 +141,14 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         return (yield from self._fut)  # done: returns or raises without yielding
 
     def _resolve(self, exc: BaseException | None) -> None:
-        super()._resolve(exc)
+        fut = self._fut
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(self.stats)
+        else:
+            fut.set_exception(exc)
+            fut.exception()  # mark retrieved: the owner may never await a failed handle
         if self._waiters:
             for w in self._waiters:
                 if not w.done():

@@ -132,26 +132,26 @@ class UcxPeer:
         "put" or "staging"; by default the put path is taken when both
         layouts are the same, all our heads go, and the runs are not tiny;
         a head sub-range always goes through the staging path."""
-        self._check()
+        if self.error is not None:
+            raise self.error
         host = self._host
+        host.check_open()
         lay = host.layout
         rid = str(request_id)
-        l0, l1 = lay.layer_range(layers)
-        hr = lay.check_heads(heads)  # LayoutError outside our heads
-        whole = hr == lay.head_range
+        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
+        hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
+        whole = heads is None or hr == lay.head_range
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
         if path == "put" and not whole:
             raise LayoutError("the put path sends whole pages: a head sub-range goes staged")
         if self.same_layout and path != "staging" and whole:
-            staging = host.staging
-            can_stage = (
-                path != "put"
-                and staging.usable
-                and self.staging_index is not None
-                and staging.pack_module() is not None
-            )
+            min_run = 0
+            if path != "put" and host.min_put_run_bytes and self.staging_index is not None:
+                staging = host.staging
+                if staging.usable and staging.pack_module() is not None:
+                    min_run = host.min_put_run_bytes
             posted = host.put_range(
                 self,
                 as_table(block_table),
@@ -161,7 +161,7 @@ class UcxPeer:
                 l0,
                 l1,
                 rid,
-                host.min_put_run_bytes if can_stage else 0,
+                min_run,
             )
             if posted is not None:  # else the runs are tiny: staged instead
                 op, status, nruns, nbytes = posted
