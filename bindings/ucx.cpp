@@ -35,6 +35,23 @@ using Runs = nb::ndarray<const uint64_t, nb::shape<-1, 5>, nb::c_contig, nb::dev
 
 static_assert(sizeof(PutRun) == 5 * sizeof(uint64_t), "PutRun must be five packed uint64");
 
+namespace {
+
+// drain()'s lists as Python sees them.
+nb::tuple drained_tuple(const kvb::ucx::Drained& d) {
+  nb::list results, failures, messages, landed;
+  for (const auto& r : d.results) results.append(nb::make_tuple(r.op_id, r.status));
+  for (const auto& f : d.failures) failures.append(nb::make_tuple(f.ep_id, f.status));
+  for (const auto& s : d.messages) messages.append(nb::bytes(s.data(), s.size()));
+  for (const auto& l : d.landed)
+    landed.append(nb::make_tuple(l.token, l.l0, l.l1, l.nbytes,
+                                 nb::bytes(l.sender.data(), l.sender.size()), l.layers,
+                                 l.complete));
+  return nb::make_tuple(results, failures, messages, landed);
+}
+
+}  // namespace
+
 NB_MODULE(_ucx, m) {
   m.doc() = "kvbridge UCX engine: registered regions, one-sided puts, active messages";
   m.attr("HAS_UCX") = true;
@@ -254,16 +271,22 @@ NB_MODULE(_ucx, m) {
                nb::gil_scoped_release release;
                d = e.drain();
              }
-             nb::list results, failures, messages, landed;
-             for (const auto& r : d.results) results.append(nb::make_tuple(r.op_id, r.status));
-             for (const auto& f : d.failures) failures.append(nb::make_tuple(f.ep_id, f.status));
-             for (const auto& s : d.messages) messages.append(nb::bytes(s.data(), s.size()));
-             for (const auto& l : d.landed)
-               landed.append(nb::make_tuple(l.token, l.l0, l.l1, l.nbytes,
-                                            nb::bytes(l.sender.data(), l.sender.size()), l.layers,
-                                            l.complete));
-             return nb::make_tuple(results, failures, messages, landed);
+             return drained_tuple(d);
            })
+      .def(
+          "poll_drain",
+          [](Engine& e, unsigned max_us, unsigned yield_us) -> nb::object {
+            kvb::ucx::Drained d;
+            {
+              nb::gil_scoped_release release;
+              if (!e.poll(max_us, 0, yield_us)) return nb::none();
+              d = e.drain();
+            }
+            return drained_tuple(d);
+          },
+          nb::arg("max_us"), nb::arg("yield_us") = 0,
+          "poll(max_us, 0, yield_us), then drain() when it found something: drain()'s tuple, "
+          "or None")
       .def("close", &Engine::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &Engine::closed);
 }

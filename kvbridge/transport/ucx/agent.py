@@ -299,8 +299,9 @@ class UcxAgent:
         if self._closed or self._in_events or self._loop is None:
             return
         spin = min(spin_us, self.busy_poll_us)
-        if self._engine.poll(spin, 0, self.poll_yield_us if spin else 0):
-            self._on_events()
+        got = self._engine.poll_drain(spin, self.poll_yield_us if spin else 0)
+        if got is not None:
+            self._on_events(got)
 
     async def close(self) -> None:
         """Tell peers goodbye, fail what is in flight with Cancelled, release
@@ -421,8 +422,8 @@ class UcxAgent:
     def put_range(
         self,
         peer: UcxPeer,
-        block_table: np.ndarray,
-        remote_block_table: np.ndarray,
+        block_table: Any,
+        remote_block_table: Any,
         start: int,
         end: int,
         l0: int,
@@ -434,7 +435,9 @@ class UcxAgent:
         flush and then the DONE of ``rid`` (encoded in C++); progress inline
         for up to ``busy_poll_us``.  Returns (op, status, runs, bytes), or
         None when the mean run is shorter than ``min_mean_run`` (nothing
-        posted)."""
+        posted).  The block tables go to the engine as they are when they
+        are 1-D arrays (the engine converts another integer dtype), else as
+        flat int64 arrays."""
         if peer.plan is None:
             peer.plan = self._mod.RunPlan(
                 **plan_args(
@@ -444,20 +447,18 @@ class UcxAgent:
         rid_bytes = rid.encode()
         if len(rid_bytes) > MAX_RID:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
+        eng, ep, plan, spin = self._engine, peer.ep, peer.plan, self.busy_poll_us
         try:
-            posted = self._engine.put_range(
-                peer.ep,
-                peer.plan,
-                block_table,
-                remote_block_table,
-                start,
-                end,
-                l0,
-                l1,
-                rid_bytes,
-                min_mean_run,
-                self.busy_poll_us,
-            )
+            try:
+                posted = eng.put_range(
+                    ep, plan, block_table, remote_block_table, start, end, l0, l1, rid_bytes,
+                    min_mean_run, spin,
+                )  # fmt: skip
+            except TypeError:  # not 1-D arrays (a list, a 2-D table)
+                bt, rbt = as_table(block_table), as_table(remote_block_table)
+                posted = eng.put_range(
+                    ep, plan, bt, rbt, start, end, l0, l1, rid_bytes, min_mean_run, spin
+                )
         except IndexError as e:
             raise PageIndexError(str(e)) from None
         except ValueError as e:
@@ -592,17 +593,19 @@ class UcxAgent:
         self.expectations.fail_peer(peer, peer.error or exc)
 
     # ---- events ------------------------------------------------------------------------------------
-    def _on_events(self) -> None:
+    def _on_events(self, drained: Any = None) -> None:
+        """Account what the engine queued (``drained``: what a poll_drain()
+        already took out of it)."""
         if self._closed or self._in_events:
             return
         self._in_events = True
         try:
-            self._events()
+            self._events(drained)
         finally:
             self._in_events = False
 
-    def _events(self) -> None:
-        results, failures, messages, landed = self._engine.drain()
+    def _events(self, drained: Any) -> None:
+        results, failures, messages, landed = drained or self._engine.drain()
         for ep, status in failures:
             peer = self._by_ep.get(ep)
             if peer is not None:

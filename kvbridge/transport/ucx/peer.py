@@ -15,7 +15,7 @@ from ...layout import KVLayout
 from .handle import TransferHandle
 from .messages import Kind, Message
 from .metadata import AgentMetadata, RegionKind
-from .runs import CacheGeometry, as_table
+from .runs import CacheGeometry
 
 if TYPE_CHECKING:
     from .staging import Staging
@@ -46,8 +46,8 @@ class PeerHost(Protocol):
     def put_range(
         self,
         peer: UcxPeer,
-        block_table: np.ndarray,
-        remote_block_table: np.ndarray,
+        block_table: Any,
+        remote_block_table: Any,
         start: int,
         end: int,
         l0: int,
@@ -154,8 +154,8 @@ class UcxPeer:
                     min_run = host.min_put_run_bytes
             posted = host.put_range(
                 self,
-                as_table(block_table),
-                as_table(remote_block_table),
+                block_table,
+                remote_block_table,
                 start,
                 end,
                 l0,
