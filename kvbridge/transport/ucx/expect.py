@@ -135,17 +135,21 @@ class Expectations:
             for peer, msg in self._early.pop(key, ()):
                 self.deliver(ex, peer, msg)
 
-    def drop(self, ex: Expect) -> None:
-        h = ex.handle
-        key = (h.request_id, ex.heads)
+    def _unlink(self, ex: Expect) -> None:
+        """Take ``ex`` out of the table (and the ledger) if it is still there."""
+        key = (ex.handle.request_id, ex.heads)
         if self._table.get(key) is ex:
             del self._table[key]
             del self._tokens[ex.token]
             if ex.in_ledger:
                 self._ledger.unregister(ex)
+
+    def drop(self, ex: Expect) -> None:
+        self._unlink(ex)
+        h = ex.handle
         if h.settled:
             if h.exception() is not None:
-                self._aborted[key] = None
+                self._aborted[ex.key] = None
                 if len(self._aborted) > MAX_ABORTED:
                     del self._aborted[next(iter(self._aborted))]
             # the handle and its expectation refer to each other: unlinked,
@@ -283,7 +287,8 @@ class Expectations:
             stats.layers_done = layers
         if stats.layers_done >= ex.l1 - ex.l0:
             h.finish()
-            self.drop(ex)
+            self._unlink(ex)
+            h.owner = None  # unlinked: both are freed by reference counting
         elif ex.peer is not None and ex.peer.error is not None:
             # a part that was read after its peer's failure (both in one
             # drain, or the part later): fail_peer found the expectation
