@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 from ucx_cases import SMALL, make_cache, same_tokens
 
-from kvbridge.errors import IncompatiblePeer, InvalidArgument, PeerGone, RemoteProtocolError
+from kvbridge.errors import (
+    IncompatiblePeer,
+    InvalidArgument,
+    PeerGone,
+    RemoteProtocolError,
+    TransferTimeout,
+)
 from kvbridge.layout import DType, KVLayout
 from kvbridge.transport import ucx
 from kvbridge.transport.ucx.loader import load
@@ -139,6 +145,31 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
         await task
         assert order[0] == "woken", order
         await a.close()
+        await b.close()
+
+    run(body)
+
+
+def test_a_finished_receive_leaves_its_deadline_for_later() -> None:
+    """A receive that completes leaves its deadline's timer to be cancelled
+    with the next handle the agent makes; a timer that fires first finds the
+    handle resolved: it stays a success and no ABORT goes out."""
+
+    async def body() -> None:
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        aborted: list[str] = []
+        b.abort = lambda h, exc: aborted.append(h.request_id)  # type: ignore[method-assign]
+        early = b.expect("early", np.arange(3), 0, 20, timeout=0.05)
+        b.expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
+        assert early.done() and len(b._spent_timers) == 1
+        await asyncio.sleep(0.15)  # its deadline passes, nothing cancelled it
+        assert (await early).layers_done == SMALL.num_layers
+        assert aborted == []
+        late = b.expect("late", np.arange(3), 0, 20, timeout=0.05)
+        assert b._spent_timers == []  # the next handle cancelled what was left
+        with pytest.raises(TransferTimeout):
+            await late  # a deadline that is not spent still fails the receive
+        assert aborted == ["late"]
         await b.close()
 
     run(body)

@@ -210,6 +210,7 @@ class UcxAgent:
         self._ops: dict[int, _OpEntry] = {}
         self._progress: Progress | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
+        self._spent_timers: list[asyncio.TimerHandle] = []  # see TransferHandle.finish
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.on_peer: Any = None  # optional callback(UcxPeer) for accepted peers
@@ -320,6 +321,9 @@ class UcxAgent:
         self._closed = True
         if self._hb_timer is not None:
             self._hb_timer.cancel()
+        for timer in self._spent_timers:
+            timer.cancel()
+        self._spent_timers.clear()
         if self._progress is not None:
             self._progress.close()  # stops the progress thread
         for entry in self._ops.values():
@@ -351,7 +355,12 @@ class UcxAgent:
     ) -> TransferHandle:
         if self._loop is None or self._closed:
             self._loop_now()
-        return TransferHandle(rid, direction, total, timeout, self.abort, armed=armed)
+        spent = self._spent_timers
+        if spent:  # the deadlines of handles that finished since the last new one
+            for timer in spent:
+                timer.cancel()
+            spent.clear()
+        return TransferHandle(rid, direction, total, timeout, self.abort, armed=armed, spent=spent)
 
     def known_peer(self, agent_id: bytes) -> UcxPeer | None:
         return self._peers.get(agent_id)

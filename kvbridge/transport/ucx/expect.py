@@ -278,7 +278,13 @@ class Expectations:
         stats = h.stats
         stats.path = stats.path or "put"
         stats.bytes += nbytes
-        self._account(ex, ex.l1 - ex.l0 if complete else layers)
+        if complete:  # every layer is in (what _account does, without its checks)
+            stats.layers_done = ex.l1 - ex.l0
+            h.finish()
+            self._unlink(ex)
+            h.owner = None
+        else:
+            self._account(ex, layers)
 
     def _account(self, ex: Expect, layers: int) -> None:
         h = ex.handle

@@ -78,6 +78,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         on_abort: Callable[[TransferHandle, KVBridgeError], None],
         *,
         armed: bool = True,
+        spent: list[asyncio.TimerHandle] | None = None,
     ) -> None:
         # _on_cancel is a method here, not a bound method stored on the
         # handle: no reference cycle, so a finished handle is freed at once
@@ -94,6 +95,10 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         self._timer: asyncio.TimerHandle | None = (
             loop.call_later(timeout, self._expire) if armed else None
         )
+        # where finish() leaves its deadline's timer for the owner to cancel
+        # later, off the path of the transfer (a timer that fires first finds
+        # the handle resolved and does nothing)
+        self._spent = spent
         # the owner's state: the staging task of a send, the expectation of a receive
         self.task: asyncio.Task[None] | None = None
         self.owner: Any = None
@@ -177,8 +182,13 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         if self._fut.done():
             return False
         self.stats.finished = time.monotonic()
-        if self._timer is not None:
-            self._timer.cancel()
+        timer = self._timer
+        if timer is not None:
+            self._timer = None
+            if self._spent is not None:
+                self._spent.append(timer)
+            else:
+                timer.cancel()
         self._resolve(None)
         return True
 
