@@ -136,11 +136,13 @@ class TransferHandleBase(abc.ABC, Generic[R]):
         return asyncio.shield(self._fut).__await__()
 
     def _resolve(self, exc: BaseException | None) -> None:
-        if self._fut.done():
-            return
-        seconds = time.perf_counter() - self._t0
+        if not self._fut.done():
+            self._settle(exc, None if exc else self._result(time.perf_counter() - self._t0))
+
+    def _settle(self, exc: BaseException | None, result: R | None) -> None:
+        """Resolve the (pending) future with ``exc``, or else ``result``."""
         if exc is None:
-            self._fut.set_result(self._result(seconds))
+            self._fut.set_result(result)  # type: ignore[arg-type]
         else:
             self._fut.set_exception(exc)
             self._fut.exception()  # mark retrieved: the owner may never await a failed handle

@@ -278,13 +278,18 @@ class Expectations:
         stats = h.stats
         stats.path = stats.path or "put"
         stats.bytes += nbytes
-        if complete:  # every layer is in (what _account does, without its checks)
+        if complete:  # every layer is in: no need for _account's checks
             stats.layers_done = ex.l1 - ex.l0
-            h.finish()
-            self._unlink(ex)
-            h.owner = None
+            self._complete(ex)
         else:
             self._account(ex, layers)
+
+    def _complete(self, ex: Expect) -> None:
+        """Every layer of ``ex`` landed: resolve its handle and unlink both
+        (then reference counting frees them, not the garbage collector)."""
+        ex.handle.finish()
+        self._unlink(ex)
+        ex.handle.owner = None
 
     def _account(self, ex: Expect, layers: int) -> None:
         h = ex.handle
@@ -292,9 +297,7 @@ class Expectations:
         if layers > stats.layers_done:
             stats.layers_done = layers
         if stats.layers_done >= ex.l1 - ex.l0:
-            h.finish()
-            self._unlink(ex)
-            h.owner = None  # unlinked: both are freed by reference counting
+            self._complete(ex)
         elif ex.peer is not None and ex.peer.error is not None:
             # a part that was read after its peer's failure (both in one
             # drain, or the part later): fail_peer found the expectation

@@ -146,14 +146,9 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         return (yield from self._fut)  # done: returns or raises without yielding
 
     def _resolve(self, exc: BaseException | None) -> None:
-        fut = self._fut
-        if fut.done():
+        if self._fut.done():
             return
-        if exc is None:
-            fut.set_result(self.stats)
-        else:
-            fut.set_exception(exc)
-            fut.exception()  # mark retrieved: the owner may never await a failed handle
+        self._settle(exc, self.stats)  # the stats, with no clock read for the base's seconds
         if self._waiters:
             for w in self._waiters:
                 if not w.done():
