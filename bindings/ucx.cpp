@@ -160,6 +160,17 @@ NB_MODULE(_ucx, m) {
            nb::call_guard<nb::gil_scoped_release>(),
            "Progress up to max_us; returns early (True) when something is queued for drain(), "
            "or when expectation `token` is complete")
+      .def(
+          "poll_take",
+          [](Engine& e, unsigned max_us, uint64_t token, unsigned yield_us) {
+            e.poll(max_us, token, yield_us);
+            return e.take_landed(token);
+          },
+          nb::arg("max_us"), nb::arg("token"), nb::arg("yield_us") = 0,
+          nb::call_guard<nb::gil_scoped_release>(),
+          "poll(max_us, token, yield_us), then take_landed(token): the bytes of the DONEs that "
+          "completed expectation `token` (taken out of drain()'s queue), -1 when nothing is "
+          "queued, -2 when something else is")
       .def("add_peer", [](Engine& e, nb::bytes id) { e.add_peer(str(id)); })
       .def("remove_peer", [](Engine& e, nb::bytes id) { e.remove_peer(str(id)); })
       .def(

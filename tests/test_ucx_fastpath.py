@@ -120,6 +120,61 @@ def test_polling_done_sees_a_landed_receive_without_a_loop_turn(progress: str) -
     run(body)
 
 
+def test_a_receive_takes_only_its_own_request_from_the_engine() -> None:
+    """``done()`` of a receive whose DONEs completed it in the engine takes
+    them out of the engine's queue (``poll_take``) and resolves only that
+    receive, with the bytes of all its parts (two layer ranges here); the
+    other request's DONE stays queued for the loop, and nothing is accounted
+    twice."""
+
+    async def body() -> None:
+        src, dst = make_cache(SMALL, 8, 3), make_cache(SMALL, 8, None)
+        a = ucx.UcxAgent(SMALL, src, min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, dst, min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        bt_x, bt_y = np.array([0, 1]), np.array([2, 3])
+        hx = b.expect("x", bt_x, 0, 16)
+        hy = b.expect("y", bt_y, 0, 16)
+        assert hx.token and hy.token and hx.token != hy.token
+        sends = [
+            peer.send("y", bt_y, bt_y, 0, 16),
+            peer.send("x", bt_x, bt_x, 0, 16, layers=(0, 1)),
+            peer.send("x", bt_x, bt_x, 0, 16, layers=(1, SMALL.num_layers)),
+        ]
+        # no await until the end: the loop does not turn, so only the calls
+        # here progress the workers and account what arrived
+        eng = b._engine
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # both requests' DONEs queued, nothing drained
+            sent = all(h.done() for h in sends)
+            if sent and eng.expect_state(hx.token)[0] == eng.expect_state(hy.token)[0] == -1:
+                break
+            eng.poll(100, 0, 0)
+        assert eng.expect_state(hx.token) == (-1, False)  # complete: forgotten by the engine
+        assert not hx.settled and not hy.settled  # no loop turn yet: nothing accounted
+        assert eng.poll_take(0, 2**40, 0) == -2  # not that request's: others are queued
+        assert hx.done() and not hy.settled  # hx took its own DONEs only
+        assert hx.stats.bytes == SMALL.wire_nbytes(16) and hx.stats.path == "put"
+        assert hx.stats.layers_done == SMALL.num_layers
+        landed = eng.drain()[3]  # what the loop would account next: hy's DONE alone
+        assert [rec[0] for rec in landed] == [hy.token], landed
+        b.expectations.on_landed(*_landed_args(b, landed[0]))
+        assert hy.settled and hy.stats.bytes == SMALL.wire_nbytes(16)
+        assert eng.poll_take(0, hx.token, 0) == -1  # nothing left queued
+        assert same_tokens(SMALL, src, bt_x, SMALL, dst, bt_x, 0, 16)
+        for h in sends:
+            assert (await h).path == "put"
+        await a.close()
+        await b.close()
+
+    run(body)
+
+
+def _landed_args(agent: Any, rec: tuple[Any, ...]) -> tuple[Any, ...]:
+    token, _l0, _l1, nbytes, sender, layers, complete = rec
+    return (token, nbytes, agent._peers.get(sender), layers, complete)
+
+
 def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
     """A task awaiting a receive is woken by the handle itself (one call_soon
     hop), not through a shield's two: it runs before a callback scheduled
@@ -213,9 +268,9 @@ def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int, token
         spins: list[int] = []
         poll_now = b.poll_now
 
-        def recording(spin_us: int = 0) -> None:
+        def recording(spin_us: int = 0, token: int = 0) -> None:
             spins.append(spin_us)
-            poll_now(spin_us)
+            poll_now(spin_us, token)
 
         b.poll_now = recording  # type: ignore[method-assign]
         bt = np.arange(pages)

@@ -181,6 +181,11 @@ class Engine {
   // away (sched_yield) after every `yield_us` without an event.  The GIL must
   // not be held.  Returns true when something is queued for drain().
   bool poll(unsigned max_us, uint64_t token, unsigned yield_us);
+  // Takes out of the queue for drain() the DONEs of expectation `token` when
+  // they completed it, returning their bytes; else -1, or -2 when something
+  // else is queued for drain().  (A receive that polls for its own request
+  // resolves from this without draining and accounting everything.)
+  int64_t take_landed(uint64_t token);
 
   // ---- progress on the engine's own thread ("thread" mode) ----
   // The thread progresses while there is activity and for `spin_us` after

@@ -2,6 +2,7 @@
 // C++ the moment its active message arrives (in whichever thread progresses
 // the worker), and Python only accounts it; every other message goes to
 // Python as it came.
+#include <algorithm>
 #include <string_view>
 
 #include "engine.h"
@@ -111,6 +112,23 @@ bool Engine::apply_done(const void* data, size_t length) {
 void Engine::on_message(const void* data, size_t length) {
   if (!apply_done(data, length)) messages_.emplace_back(static_cast<const char*>(data), length);
   signal_python();
+}
+
+int64_t Engine::take_landed(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  bool complete = false;
+  uint64_t bytes = 0;
+  for (const Landed& l : landed_) {
+    if (l.token == token) {
+      bytes += l.nbytes;
+      complete = complete || l.complete;
+    }
+  }
+  if (!complete) return python_work() ? -2 : -1;
+  landed_.erase(std::remove_if(landed_.begin(), landed_.end(),
+                               [token](const Landed& l) { return l.token == token; }),
+                landed_.end());
+  return static_cast<int64_t>(bytes);
 }
 
 bool Engine::python_work() const {

@@ -66,6 +66,10 @@ __all__ = ["UcxAgent"]
 
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
 _TINY = 2  # put_range: the runs are too short, nothing was posted
+_QUEUED = -2  # poll_take: the expectation is not complete, something else is queued
+# finished handles whose deadline timers wait for the next expect: a process
+# that only sends cancels them with every this many new send handles
+MAX_SPENT_TIMERS = 64
 
 # An op in flight: the handle it completes, or a callback (status) -> None.
 _OpEntry = TransferHandle | Callable[[int], None]
@@ -285,22 +289,35 @@ class UcxAgent:
         ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token, hr)
         self._next_token += 1
         h.owner = ex
+        if heads is None or hr == lay.head_range:  # in the engine's table: a put completes it
+            h.token = ex.token
         h.poller = self.poll_now
         self.expectations.add(ex)
         if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
         return h
 
-    def poll_now(self, spin_us: int = 0) -> None:
+    def poll_now(self, spin_us: int = 0, token: int = 0) -> None:
         """Progress the worker once (``spin_us`` 0: what ``done()`` of a
         handle in flight does, so a polling caller needs no loop wake-up),
         or until something arrives within ``spin_us`` (at most the agent's
         ``busy_poll_us``: what ``await handle`` does before it waits on the
-        loop), and account what arrived."""
+        loop), and account what arrived.  ``token``: the expectation of the
+        receive that polls; when DONEs completed it in the engine, only it
+        is resolved here (what else arrived is accounted by the loop's next
+        turn, which the engine's notify fd wakes)."""
         if self._closed or self._in_events or self._loop is None:
             return
         spin = min(spin_us, self.busy_poll_us)
-        got = self._engine.poll_drain(spin, self.poll_yield_us if spin else 0)
+        yield_us = self.poll_yield_us if spin else 0
+        if token:
+            nbytes = self._engine.poll_take(spin, token, yield_us)
+            if nbytes >= 0:
+                self.expectations.on_landed(token, nbytes, None, 0, True)
+            elif nbytes == _QUEUED:
+                self._on_events()
+            return
+        got = self._engine.poll_drain(spin, yield_us)
         if got is not None:
             self._on_events(got)
 
@@ -356,11 +373,18 @@ class UcxAgent:
         if self._loop is None or self._closed:
             self._loop_now()
         spent = self._spent_timers
-        if spent:  # the deadlines of handles that finished since the last new one
+        if spent and (direction == "recv" or len(spent) >= MAX_SPENT_TIMERS):
+            # the deadlines of handles that finished since: cancelled with the
+            # next expect (usually made before its data is on the way), not on
+            # the path of a send
             for timer in spent:
                 timer.cancel()
             spent.clear()
         return TransferHandle(rid, direction, total, timeout, self.abort, armed=armed, spent=spent)
+
+    def completed_send(self, rid: str, nbytes: int, runs: int, timeout: float) -> TransferHandle:
+        """The handle of a put that completed inline (no deadline to arm)."""
+        return TransferHandle.completed_send(rid, nbytes, runs, timeout, self.abort)
 
     def known_peer(self, agent_id: bytes) -> UcxPeer | None:
         return self._peers.get(agent_id)

@@ -264,12 +264,24 @@ class Expectations:
     ) -> None:
         """A DONE landed in the ledger (already checked there: an expected
         request, its tokens, layers inside its range, its peer); ``layers``
-        had landed then."""
+        had landed then; ``complete``: every layer of the expectation has
+        (and the ledger forgot it)."""
+        if complete:
+            # the path of every small transfer: unlink, then resolve with the
+            # stats, no other checks (the handle and its expectation no longer
+            # refer to each other: reference counting frees both)
+            ex = self._tokens.pop(token, None)
+            if ex is None:
+                return
+            h = ex.handle
+            if self._table.get((h.request_id, ex.heads)) is ex:
+                del self._table[(h.request_id, ex.heads)]
+            h.owner = None
+            h.landed(nbytes, ex.l1 - ex.l0)
+            return
         ex = self._tokens.get(token)
         if ex is None:
             return
-        if complete:
-            ex.in_ledger = False
         h = ex.handle
         if h.settled:
             return
@@ -278,11 +290,7 @@ class Expectations:
         stats = h.stats
         stats.path = stats.path or "put"
         stats.bytes += nbytes
-        if complete:  # every layer is in: no need for _account's checks
-            stats.layers_done = ex.l1 - ex.l0
-            self._complete(ex)
-        else:
-            self._account(ex, layers)
+        self._account(ex, layers)
 
     def _complete(self, ex: Expect) -> None:
         """Every layer of ``ex`` landed: resolve its handle and unlink both

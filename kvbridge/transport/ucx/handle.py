@@ -30,6 +30,9 @@ __all__ = ["AWAIT_SPIN_MAX_BYTES", "AWAIT_SPIN_US", "TransferHandle", "TransferS
 AWAIT_SPIN_US = 50
 AWAIT_SPIN_MAX_BYTES = 256 * 1024
 
+# TransferHandle._state
+_PENDING, _DONE, _FAILED = 0, 1, 2
+
 
 @dataclass(slots=True)
 class TransferStats:
@@ -65,7 +68,12 @@ class TransferHandle(TransferHandleBase[TransferStats]):
     """One send or one expected receive.  ``await handle`` returns the
     :class:`TransferStats` or raises a :mod:`kvbridge.errors` error; a
     deadline (``timeout``) is armed at creation, whether awaited or not.
-    ``cancel()`` fails it with ``Cancelled`` here and tells the peer."""
+    ``cancel()`` fails it with ``Cancelled`` here and tells the peer.
+
+    Its state is two fields (``_state``, ``_exc``); the asyncio future of
+    the base (``wait()``) is made only when something asks for it, already
+    resolved if the handle is: a small transfer that completes inline and
+    is polled or awaited never makes one."""
 
     _what = "complete"
 
@@ -87,8 +95,10 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         # transfer makes one or two handles, on the path of a small one.
         self.request_id = request_id
         self.total_bytes = total
-        loop = asyncio.get_running_loop()
-        self._fut: asyncio.Future[TransferStats] = loop.create_future()
+        self._loop = loop = asyncio.get_running_loop()
+        self._state = _PENDING
+        self._exc: BaseException | None = None
+        self._future: asyncio.Future[TransferStats] | None = None
         self.stats = TransferStats(request_id, direction, started=time.monotonic())
         self._on_abort = on_abort
         self._timeout = timeout
@@ -103,9 +113,58 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         self.task: asyncio.Task[None] | None = None
         self.owner: Any = None
         # progresses the worker (once, or for up to the given microseconds
-        # until something arrives) and accounts what arrived (set by the agent)
-        self.poller: Callable[[int], None] | None = None
+        # until something arrives) and accounts what arrived (set by the
+        # agent); called with the handle's token
+        self.poller: Callable[[int, int], None] | None = None
+        self.token = 0  # a receive's expectation in the engine (set by the agent); 0: none
         self._waiters: list[asyncio.Future[None]] = []
+
+    @classmethod
+    def completed_send(
+        cls,
+        request_id: str,
+        nbytes: int,
+        runs: int,
+        timeout: float,
+        on_abort: Callable[[TransferHandle, KVBridgeError], None],
+    ) -> TransferHandle:
+        """The handle of a put that completed inside the call that posted it
+        (flushed at the target, its DONE sent): resolved from the start, with
+        no deadline and no future."""
+        h = cls.__new__(cls)
+        h.request_id = request_id
+        h.total_bytes = nbytes
+        h._loop = asyncio.get_running_loop()
+        h._state = _DONE
+        h._exc = None
+        h._future = None
+        now = time.monotonic()
+        h.stats = TransferStats(request_id, "send", "put", nbytes, runs, 0, 0, 0, now, now)
+        h._on_abort = on_abort
+        h._timeout = timeout
+        h._timer = None
+        h._spent = None
+        h.task = None
+        h.owner = None
+        h.poller = None
+        h.token = 0
+        h._waiters = []
+        return h
+
+    @property
+    def _fut(self) -> asyncio.Future[TransferStats]:  # type: ignore[override]
+        """The base's future (``wait()``), made on first use: resolved
+        already when the handle is.  (A property, not ``__getattr__``: a class
+        with ``__getattr__`` makes every attribute read of its instances slow.)"""
+        fut = self._future
+        if fut is None:
+            fut = self._future = self._loop.create_future()
+            if self._state == _DONE:
+                fut.set_result(self.stats)
+            elif self._state == _FAILED:
+                fut.set_exception(self._exc)  # type: ignore[arg-type]
+                fut.exception()  # retrieved: the owner may never await a failed handle
+        return fut
 
     # -- TransferHandleBase ---------------------------------------------------
     @property
@@ -120,35 +179,36 @@ class TransferHandle(TransferHandleBase[TransferStats]):
 
     def arm(self) -> None:
         """Start the deadline of a handle created unarmed (it did not finish inline)."""
-        if self._timer is None and not self._fut.done():
-            self._timer = self._fut.get_loop().call_later(self._timeout, self._expire)
+        if self._timer is None and not self._state:
+            self._timer = self._loop.call_later(self._timeout, self._expire)
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
-        if (
-            not self._fut.done()
-            and self.poller is not None
-            and self.total_bytes <= AWAIT_SPIN_MAX_BYTES
-        ):
+        if not self._state and self.poller is not None and self.total_bytes <= AWAIT_SPIN_MAX_BYTES:
             # A small transfer is usually microseconds from done: poll the
             # worker here for a bounded slice (at most the agent's
             # busy_poll_us) before paying the loop hop of a waiter.
-            self.poller(AWAIT_SPIN_US)
-        if not self._fut.done():
+            self.poller(AWAIT_SPIN_US, self.token)
+        if not self._state:
             # The task waits on a future of its own, resolved by _resolve: one
             # loop hop, and cancelling the task leaves the transfer alone.
-            waiter: asyncio.Future[None] = self._fut.get_loop().create_future()
+            waiter: asyncio.Future[None] = self._loop.create_future()
             self._waiters.append(waiter)
             try:
                 yield from waiter
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
-        return (yield from self._fut)  # done: returns or raises without yielding
+        if self._exc is not None:  # resolved: returns or raises without yielding
+            raise self._exc
+        return self.stats
 
     def _resolve(self, exc: BaseException | None) -> None:
-        if self._fut.done():
+        if self._state:
             return
-        self._settle(exc, self.stats)  # the stats, with no clock read for the base's seconds
+        self._state = _DONE if exc is None else _FAILED
+        self._exc = exc
+        if self._future is not None:  # someone asked for the base's future: resolve it too
+            self._settle(exc, self.stats)  # the stats, with no clock read for the base's seconds
         if self._waiters:
             for w in self._waiters:
                 if not w.done():
@@ -159,22 +219,39 @@ class TransferHandle(TransferHandleBase[TransferStats]):
     @property
     def settled(self) -> bool:
         """Resolved, without polling (what kvbridge's own code checks)."""
-        return self._fut.done()
+        return self._state != _PENDING
 
     def done(self) -> bool:
         """Resolved; a handle still in flight first progresses the worker
         once and accounts what arrived (no event-loop round trip)."""
-        if not self._fut.done() and self.poller is not None:
-            self.poller(0)
-        return self._fut.done()
+        if not self._state and self.poller is not None:
+            self.poller(0, self.token)
+        return self._state != _PENDING
 
     def exception(self) -> BaseException | None:
-        return self._fut.exception() if self._fut.done() else None
+        return self._exc
+
+    def cancel(self, reason: str | None = None) -> None:
+        """Stop the transfer at both ends (ABORT) and release its buffers."""
+        if not self._state:
+            self._on_cancel(reason or self._cancel_reason)
 
     # -- completion (used by the agent) ---------------------------------------------
+    def landed(self, nbytes: int, layers: int) -> None:
+        """A put's DONE brought the last of this receive's ``layers`` layers
+        (``nbytes`` bytes): resolve with the stats."""
+        if self._state:
+            return
+        stats = self.stats
+        if not stats.path:
+            stats.path = "put"
+        stats.bytes += nbytes
+        stats.layers_done = layers
+        self.finish()
+
     def finish(self) -> bool:
         """Resolve with the stats; False when already resolved."""
-        if self._fut.done():
+        if self._state:
             return False
         self.stats.finished = time.monotonic()
         timer = self._timer
@@ -189,7 +266,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
 
     def fail(self, exc: KVBridgeError) -> bool:
         """Resolve with ``exc``; False when already resolved."""
-        if self._fut.done():
+        if self._state:
             return False
         self.stats.finished = time.monotonic()
         if self._timer is not None:

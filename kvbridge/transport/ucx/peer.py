@@ -56,6 +56,10 @@ class PeerHost(Protocol):
         min_mean_run: int,
     ) -> tuple[int, int, int, int] | None: ...
 
+    def completed_send(
+        self, rid: str, nbytes: int, runs: int, timeout: float
+    ) -> TransferHandle: ...
+
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
 
     def expect(
@@ -137,10 +141,13 @@ class UcxPeer:
         host = self._host
         host.check_open()
         lay = host.layout
-        rid = str(request_id)
+        rid = request_id if type(request_id) is str else str(request_id)
         l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
-        hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
-        whole = heads is None or hr == lay.head_range
+        if heads is None:
+            whole, hr = True, None
+        else:
+            hr = lay.check_heads(heads)  # LayoutError outside
+            whole = hr == lay.head_range
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         deadline = timeout or host.timeout
@@ -165,6 +172,8 @@ class UcxPeer:
             )
             if posted is not None:  # else the runs are tiny: staged instead
                 op, status, nruns, nbytes = posted
+                if status == 0:  # flushed at the target and its DONE sent, inline
+                    return host.completed_send(rid, nbytes, nruns, deadline)
                 h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
                 h.owner = self
                 h.stats.path = "put"
@@ -176,6 +185,8 @@ class UcxPeer:
             raise LayoutError("the put path needs both caches to have the same memory layout")
         staging = host.staging
         staging.require(self)
+        if hr is None:
+            hr = lay.head_range
         h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1), hr), deadline)
         h.owner = self
         h.stats.path = "staging"
