@@ -130,7 +130,10 @@ class TransferHandle(TransferHandleBase[TransferStats]):
     ) -> TransferHandle:
         """The handle of a put that completed inside the call that posted it
         (flushed at the target, its DONE sent): resolved from the start, with
-        no deadline and no future."""
+        no deadline and no future.  It sets the fields itself rather than
+        through ``__init__``: 0.65 us against 0.87 us with a keyword for the
+        resolved state there (a loop of each in one process), on the path
+        of every small send."""
         h = cls.__new__(cls)
         h.request_id = request_id
         h.total_bytes = nbytes
