@@ -34,14 +34,27 @@ def _requests(n: int = 3) -> list[tuple[int, list[int], SamplingParams]]:
     ]
 
 
+Streams = dict[int, tuple[list[int], list[float]]]
+
+
+def _same_streams(a: Streams, b: Streams) -> bool:
+    """The same tokens, and margins equal up to float rounding: two
+    computations of one stream in one process may round differently (seen
+    on the CI VM: margins apart in the fifth significant digit, the tokens
+    the same)."""
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and a[k][1] == pytest.approx(b[k][1], rel=1e-4, abs=1e-5) for k in a
+    )
+
+
 @pytest.mark.timeout(120)
 def test_reference_streams_are_cached_by_key(tmp_path: Path) -> None:
     cfg = DemoConfig.smoke()
     reqs = _requests()
     first, hit = cached_reference_streams(cfg, reqs, tmp_path)
-    assert not hit and first == reference_streams(cfg, reqs)
+    assert not hit and _same_streams(first, reference_streams(cfg, reqs))
     again, hit = cached_reference_streams(cfg, reqs, tmp_path)
-    assert hit and again == first
+    assert hit and again == first  # the file holds exactly what was computed
     # another request set, another model: other keys
     assert reference_key(cfg, reqs[:2]) != reference_key(cfg, reqs)
     assert reference_key(cfg.replace(model_seed=1), reqs) != reference_key(cfg, reqs)
@@ -49,7 +62,7 @@ def test_reference_streams_are_cached_by_key(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("refs-*.json")
     path.write_text("{not json")
     fixed, hit = cached_reference_streams(cfg, reqs, tmp_path)
-    assert not hit and fixed == first
+    assert not hit and _same_streams(fixed, first)
 
 
 @pytest.mark.timeout(120)

@@ -58,7 +58,6 @@ class Expect:
     peer: UcxPeer | None  # bound at expect(peer=...) or by the first part
     token: int  # its entry in the ledger
     heads: tuple[int, int]  # the model's KV heads [h0, h1) this part brings
-    in_ledger: bool = True  # False once the ledger reported it complete (and forgot it)
 
     @property
     def request_id(self) -> str:
@@ -141,8 +140,7 @@ class Expectations:
         if self._table.get(key) is ex:
             del self._table[key]
             del self._tokens[ex.token]
-            if ex.in_ledger:
-                self._ledger.unregister(ex)
+            self._ledger.unregister(ex)
 
     def drop(self, ex: Expect) -> None:
         self._unlink(ex)
