@@ -382,10 +382,6 @@ class UcxAgent:
             spent.clear()
         return TransferHandle(rid, direction, total, timeout, self.abort, armed=armed, spent=spent)
 
-    def completed_send(self, rid: str, nbytes: int, runs: int, timeout: float) -> TransferHandle:
-        """The handle of a put that completed inline (no deadline to arm)."""
-        return TransferHandle.completed_send(rid, nbytes, runs, timeout, self.abort)
-
     def known_peer(self, agent_id: bytes) -> UcxPeer | None:
         return self._peers.get(agent_id)
 

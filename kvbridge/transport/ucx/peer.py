@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PeerHost", "UcxPeer"]
 
+# the handle of a put that completed inline (called once per small send)
+_completed_send = TransferHandle.completed_send
+
 
 class PeerHost(Protocol):
     """What a peer needs from its agent."""
@@ -56,9 +59,7 @@ class PeerHost(Protocol):
         min_mean_run: int,
     ) -> tuple[int, int, int, int] | None: ...
 
-    def completed_send(
-        self, rid: str, nbytes: int, runs: int, timeout: float
-    ) -> TransferHandle: ...
+    def abort(self, h: TransferHandle, exc: KVBridgeError) -> None: ...
 
     def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
 
@@ -173,7 +174,7 @@ class UcxPeer:
             if posted is not None:  # else the runs are tiny: staged instead
                 op, status, nruns, nbytes = posted
                 if status == 0:  # flushed at the target and its DONE sent, inline
-                    return host.completed_send(rid, nbytes, nruns, deadline)
+                    return _completed_send(rid, nbytes, nruns, deadline, host.abort)
                 h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
                 h.owner = self
                 h.stats.path = "put"
