@@ -305,7 +305,8 @@ class UcxAgent:
         loop), and account what arrived.  ``token``: the expectation of the
         receive that polls; when DONEs completed it in the engine, only it
         is resolved here (what else arrived is accounted by the loop's next
-        turn, which the engine's notify fd wakes)."""
+        turn, which the engine's notify fd wakes; the sender's liveness is
+        kept by its PINGs, not by the DONEs taken here)."""
         if self._closed or self._in_events or self._loop is None:
             return
         spin = min(spin_us, self.busy_poll_us)
