@@ -205,10 +205,11 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
     run(body)
 
 
-def test_a_finished_receive_leaves_its_deadline_for_later() -> None:
-    """A receive that completes leaves its deadline's timer to be cancelled
-    with the next handle the agent makes; a timer that fires first finds the
-    handle resolved: it stays a success and no ABORT goes out."""
+def test_a_finished_receive_leaves_its_deadline_entry_and_stays_a_success() -> None:
+    """A receive that completes leaves its entry in the agent's deadlines
+    (one loop timer for all its handles); when the timer reaches it, the
+    handle is resolved: it stays a success and no ABORT goes out.  A
+    receive still pending at its deadline fails and is aborted."""
 
     async def body() -> None:
         b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
@@ -216,15 +217,14 @@ def test_a_finished_receive_leaves_its_deadline_for_later() -> None:
         b.abort = lambda h, exc: aborted.append(h.request_id)  # type: ignore[method-assign]
         early = b.expect("early", np.arange(3), 0, 20, timeout=0.05)
         b.expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
-        assert early.done() and len(b._spent_timers) == 1
-        await asyncio.sleep(0.15)  # its deadline passes, nothing cancelled it
+        assert early.done() and len(b._deadlines) == 1
+        late = b.expect("late", np.arange(3), 0, 20, timeout=0.1)
+        await asyncio.sleep(0.08)  # the timer reached the first entry only
         assert (await early).layers_done == SMALL.num_layers
-        assert aborted == []
-        late = b.expect("late", np.arange(3), 0, 20, timeout=0.05)
-        assert b._spent_timers == []  # the next handle cancelled what was left
+        assert aborted == [] and len(b._deadlines) == 1 and not late.done()
         with pytest.raises(TransferTimeout):
             await late  # a deadline that is not spent still fails the receive
-        assert aborted == ["late"]
+        assert aborted == ["late"] and len(b._deadlines) == 0
         await b.close()
 
     run(body)

@@ -40,6 +40,7 @@ from ...errors import (
     ucs_error,
 )
 from ...layout import KVLayout, MemoryOrder
+from ..deadlines import Deadlines
 from .expect import Expect, Expectations
 from .handle import TransferHandle
 from .hello import Hellos
@@ -67,9 +68,6 @@ __all__ = ["UcxAgent"]
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
 _TINY = 2  # put_range: the runs are too short, nothing was posted
 _QUEUED = -2  # poll_take: the expectation is not complete, something else is queued
-# finished handles whose deadline timers wait for the next expect: a process
-# that only sends cancels them with every this many new send handles
-MAX_SPENT_TIMERS = 64
 
 # An op in flight: the handle it completes, or a callback (status) -> None.
 _OpEntry = TransferHandle | Callable[[int], None]
@@ -214,7 +212,7 @@ class UcxAgent:
         self._ops: dict[int, _OpEntry] = {}
         self._progress: Progress | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
-        self._spent_timers: list[asyncio.TimerHandle] = []  # see TransferHandle.finish
+        self._deadlines = Deadlines()  # of every handle of this agent, on one timer
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.on_peer: Any = None  # optional callback(UcxPeer) for accepted peers
@@ -339,9 +337,7 @@ class UcxAgent:
         self._closed = True
         if self._hb_timer is not None:
             self._hb_timer.cancel()
-        for timer in self._spent_timers:
-            timer.cancel()
-        self._spent_timers.clear()
+        self._deadlines.close()
         if self._progress is not None:
             self._progress.close()  # stops the progress thread
         for entry in self._ops.values():
@@ -373,15 +369,9 @@ class UcxAgent:
     ) -> TransferHandle:
         if self._loop is None or self._closed:
             self._loop_now()
-        spent = self._spent_timers
-        if spent and (direction == "recv" or len(spent) >= MAX_SPENT_TIMERS):
-            # the deadlines of handles that finished since: cancelled with the
-            # next expect (usually made before its data is on the way), not on
-            # the path of a send
-            for timer in spent:
-                timer.cancel()
-            spent.clear()
-        return TransferHandle(rid, direction, total, timeout, self.abort, armed=armed, spent=spent)
+        return TransferHandle(
+            rid, direction, total, timeout, self.abort, armed=armed, deadlines=self._deadlines
+        )
 
     def known_peer(self, agent_id: bytes) -> UcxPeer | None:
         return self._peers.get(agent_id)

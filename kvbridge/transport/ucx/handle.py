@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import Cancelled, KVBridgeError, TransferTimeout
+from ..deadlines import Deadlines
 from ..handle import TransferHandleBase
 
 __all__ = ["AWAIT_SPIN_MAX_BYTES", "AWAIT_SPIN_US", "TransferHandle", "TransferStats"]
@@ -86,7 +87,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         on_abort: Callable[[TransferHandle, KVBridgeError], None],
         *,
         armed: bool = True,
-        spent: list[asyncio.TimerHandle] | None = None,
+        deadlines: Deadlines,
     ) -> None:
         # _on_cancel is a method here, not a bound method stored on the
         # handle: no reference cycle, so a finished handle is freed at once
@@ -102,13 +103,12 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         self.stats = TransferStats(request_id, direction, started=time.monotonic())
         self._on_abort = on_abort
         self._timeout = timeout
-        self._timer: asyncio.TimerHandle | None = (
-            loop.call_later(timeout, self._expire) if armed else None
-        )
-        # where finish() leaves its deadline's timer for the owner to cancel
-        # later, off the path of the transfer (a timer that fires first finds
-        # the handle resolved and does nothing)
-        self._spent = spent
+        # the owner's deadlines, on one loop timer for all its handles (a
+        # handle that resolves leaves its entry there: it is dropped later)
+        self._deadlines: Deadlines | None = deadlines
+        self._armed = armed
+        if armed:
+            deadlines.add(self, self.stats.started + timeout, loop)
         # the owner's state: the staging task of a send, the expectation of a receive
         self.task: asyncio.Task[None] | None = None
         self.owner: Any = None
@@ -145,8 +145,8 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         h.stats = TransferStats(request_id, "send", "put", nbytes, runs, 0, 0, 0, now, now)
         h._on_abort = on_abort
         h._timeout = timeout
-        h._timer = None
-        h._spent = None
+        h._deadlines = None
+        h._armed = False
         h.task = None
         h.owner = None
         h.poller = None
@@ -182,8 +182,9 @@ class TransferHandle(TransferHandleBase[TransferStats]):
 
     def arm(self) -> None:
         """Start the deadline of a handle created unarmed (it did not finish inline)."""
-        if self._timer is None and not self._state:
-            self._timer = self._loop.call_later(self._timeout, self._expire)
+        if not self._armed and not self._state and self._deadlines is not None:
+            self._armed = True
+            self._deadlines.add(self, time.monotonic() + self._timeout, self._loop)
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
         if not self._state and self.poller is not None and self.total_bytes <= AWAIT_SPIN_MAX_BYTES:
@@ -257,13 +258,6 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         if self._state:
             return False
         self.stats.finished = time.monotonic()
-        timer = self._timer
-        if timer is not None:
-            self._timer = None
-            if self._spent is not None:
-                self._spent.append(timer)
-            else:
-                timer.cancel()
         self._resolve(None)
         return True
 
@@ -272,8 +266,6 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         if self._state:
             return False
         self.stats.finished = time.monotonic()
-        if self._timer is not None:
-            self._timer.cancel()
         self._resolve(exc)
         return True
 
