@@ -265,13 +265,15 @@ class UcxAgent:
         ``heads``: the model's KV heads ``[h0, h1)`` this expectation takes
         (default all the cache holds); one request may be expected once per
         head range, each from its own sender."""
-        self._loop_now()
+        if self._loop is None or self._closed:
+            self._loop_now()
         lay = self.layout
-        rid = str(request_id)
-        hr = lay.check_heads(heads)  # LayoutError outside the cache's heads
-        if (rid, hr) in self.expectations:
+        rid = request_id if type(request_id) is str else str(request_id)
+        hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
+        key = (rid, hr)
+        if key in self.expectations:
             raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
-        l0, l1 = lay.layer_range(layers)
+        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = as_table(block_table)
@@ -284,13 +286,14 @@ class UcxAgent:
         else:
             total = lay.wire_nbytes(end - start, (l0, l1), hr)
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
-        ex = Expect(h, bt, start, end, l0, l1, peer, self._next_token, hr)
-        self._next_token += 1
+        token = self._next_token
+        self._next_token = token + 1
+        ex = Expect(h, bt, start, end, l0, l1, peer, token, hr)
         h.owner = ex
         if heads is None or hr == lay.head_range:  # in the engine's table: a put completes it
-            h.token = ex.token
+            h.token = token
         h.poller = self.poll_now
-        self.expectations.add(ex)
+        self.expectations.add(ex, key)
         if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
         return h

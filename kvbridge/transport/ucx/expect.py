@@ -113,9 +113,11 @@ class Expectations:
     def values(self) -> list[Expect]:
         return list(self._table.values())
 
-    def add(self, ex: Expect) -> None:
-        """Start expecting; parts that came early are applied now."""
-        key = ex.key
+    def add(self, ex: Expect, key: Key | None = None) -> None:
+        """Start expecting (``key``: ``ex.key``, when the caller has it);
+        parts that came early are applied now."""
+        if key is None:
+            key = ex.key
         if key in self._table:
             raise InvalidArgument(
                 f"request {ex.request_id!r} (heads [{ex.heads[0]}, {ex.heads[1]})) "
