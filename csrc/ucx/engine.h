@@ -248,7 +248,11 @@ class Engine {
  private:
   using Clock = std::chrono::steady_clock;
   Endpoint& endpoint(uint64_t ep_id);
-  unsigned progress_locked(int max_rounds);
+  // Up to `max_rounds` worker progress calls, until one finds nothing; or
+  // until op `wait_op` completed (waited: its result is in sync_done_) or
+  // expectation `wait_token` is complete, when one is given: a caller that
+  // waits for one thing returns as soon as it happened.
+  unsigned progress_locked(int max_rounds, uint64_t wait_op = 0, uint64_t wait_token = 0);
   void finish_if_done(Op& op);
   void post_notify(Op& op);
   void post_flush(Op& op, Endpoint& ep);
@@ -257,6 +261,8 @@ class Engine {
   void disconnect_locked(uint64_t ep_id);
   void signal_python();
   bool python_work() const;
+  // Expectation `token` is complete or unknown (a complete one is forgotten).
+  bool expect_done(uint64_t token) const;
   void wake_thread();
   void leave_polling();  // with mu_ held: a poller outside the thread is done
   void thread_main(unsigned spin_us);

@@ -131,6 +131,11 @@ int64_t Engine::take_landed(uint64_t token) {
   return static_cast<int64_t>(bytes);
 }
 
+bool Engine::expect_done(uint64_t token) const {
+  auto it = expects_.find(token);
+  return it == expects_.end() || it->second.missing == 0;
+}
+
 bool Engine::python_work() const {
   return !results_.empty() || !failures_.empty() || !messages_.empty() || !landed_.empty();
 }

@@ -9,10 +9,13 @@
 
 namespace kvb::ucx {
 
-unsigned Engine::progress_locked(int max_rounds) {
+unsigned Engine::progress_locked(int max_rounds, uint64_t wait_op, uint64_t wait_token) {
   if (worker_ == nullptr) return 0;
   unsigned total = 0;
   for (int i = 0; i < max_rounds; ++i) {
+    if (i > 0 && ((wait_op != 0 && sync_done_.count(wait_op) != 0) ||
+                  (wait_token != 0 && expect_done(wait_token))))
+      break;
     unsigned n = ucp_worker_progress(worker_);
     total += n;
     if (!deferred_puts_.empty()) {
@@ -62,13 +65,10 @@ bool Engine::poll(unsigned max_us, uint64_t token, unsigned yield_us) {
       std::lock_guard<std::mutex> lock(mu_);
       if (worker_ == nullptr) break;
       polled_ns_.store(now.time_since_epoch().count());
-      if (progress_locked(16) > 0) last_event = now;
+      if (progress_locked(16, 0, token) > 0) last_event = now;
       queued = python_work();
       if (queued) break;
-      if (token != 0) {
-        auto it = expects_.find(token);
-        if (it == expects_.end() || it->second.missing == 0) break;
-      }
+      if (token != 0 && expect_done(token)) break;
     }
     if (Clock::now() >= until) break;
     if (now - last_event >= quiet) sched_yield();  // the peer may need this core

@@ -327,7 +327,7 @@ Posted Engine::put(uint64_t ep_id, const PutRun* runs, size_t count, const std::
     bool done = false;
     do {
       const auto now = Clock::now();
-      if (progress_locked(16) > 0) {
+      if (progress_locked(16, id) > 0) {
         last_event = now;
       } else if (now - last_event >= std::chrono::microseconds(yield_us_)) {
         sched_yield();  // the peer may need this core to answer
