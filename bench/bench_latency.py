@@ -77,13 +77,15 @@ def test_latency_rows() -> None:
 
 def test_baseline_and_nixl_rows() -> None:
     """A baseline tree adds UCX await and poll rows run by that tree; nixl-req adds
-    NIXL driven with one handle per request (as vLLM's connector)."""
-    libs = ["kvb-ucx", "kvb-ucx-poll", "nixl", "nixl-req"]
+    NIXL driven with one handle per request (as vLLM's connector); kvb-ucx-prep a
+    prepared send posted per request (beside NIXL's re-posted handle)."""
+    libs = ["kvb-ucx", "kvb-ucx-poll", "kvb-ucx-prep", "nixl", "nixl-req"]
     cfgs = latency.configs(["tcp"], libs, 1000, baseline="/b")
     by = {c.name: c for c in cfgs}
     assert list(by) == [
         "kvbridge UCX tcp",
         "kvbridge UCX tcp poll",
+        "kvbridge UCX tcp prepared",
         "kvbridge UCX tcp baseline",
         "kvbridge UCX tcp poll baseline",
         "NIXL tcp",
@@ -92,6 +94,8 @@ def test_baseline_and_nixl_rows() -> None:
     assert by["kvbridge UCX tcp baseline"].opts["tree"] == "/b"
     assert "mode" not in by["kvbridge UCX tcp baseline"].opts
     assert by["kvbridge UCX tcp poll baseline"].opts["tree"] == "/b"
+    assert by["kvbridge UCX tcp prepared"].opts["prepared"] is True
+    assert by["kvbridge UCX tcp prepared"].opts["mode"] == "poll"
     assert by["NIXL tcp per request"].opts["per_request"] is True
     assert "per_request" not in by["NIXL tcp"].opts
 
@@ -102,6 +106,15 @@ def test_nixl_per_request_row() -> None:
     notification) ping-pong to completion, each side matching the id."""
     pytest.importorskip("nixl")
     cfgs = latency.configs(["tcp,sm"], ["nixl-req"], 1000)
+    latency.measure(cfgs, 4096, warmup=5, rounds=2, burst=10, timeout=60.0)
+    assert not cfgs[0].error, cfgs[0].error
+    assert len(cfgs[0].samples) == 20
+
+
+@pytest.mark.ucx
+def test_prepared_send_row() -> None:
+    """The prepared-send row ping-pongs to completion (each post its own request id)."""
+    cfgs = latency.configs(["tcp,sm"], ["kvb-ucx-prep"], 1000)
     latency.measure(cfgs, 4096, warmup=5, rounds=2, burst=10, timeout=60.0)
     assert not cfgs[0].error, cfgs[0].error
     assert len(cfgs[0].samples) == 20

@@ -34,7 +34,7 @@ run() {
   "$BIN/kvbridge-bench" "$@" 2>/dev/null | tee -a "$OUT/$name.txt"
   echo "($((SECONDS - t0)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg))" | tee -a "$OUT/$name.txt"
 }
-run latency latency --sizes 4096,65536 --busy --libs uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,nixl,nixl-req \
+run latency latency --sizes 4096,65536 --busy --libs uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,kvb-ucx-prep,nixl,nixl-req \
   --warmup 50 --rounds 10 --burst 25
 run compare compare --scenarios bulk,pages --rounds 3 --iters 4 --loads idle,busy
 run transfer transfer --loads idle,busy --repeats 6 --rounds 5 --count 50 --iters 4 --no-progress

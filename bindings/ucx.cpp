@@ -15,6 +15,7 @@
 namespace nb = nanobind;
 using kvb::ucx::CacheShape;
 using kvb::ucx::Engine;
+using kvb::ucx::PreparedPut;
 using kvb::ucx::PutRun;
 using kvb::ucx::RunPlan;
 using kvb::ucx::UcsError;
@@ -146,7 +147,21 @@ NB_MODULE(_ucx, m) {
           },
           nb::arg("src_block_table"), nb::arg("dst_block_table"), nb::arg("start"), nb::arg("end"),
           nb::arg("l0"), nb::arg("l1"),
-          "The coalesced (local region, local offset, remote region, remote offset, length) rows");
+          "The coalesced (local region, local offset, remote region, remote offset, length) rows")
+      .def(
+          "prepare",
+          [](const RunPlan& plan, Table sbt, Table dbt, int64_t start, int64_t end, int64_t l0,
+             int64_t l1) {
+            return plan.prepare(sbt.data(), sbt.shape(0), dbt.data(), dbt.shape(0), start, end, l0,
+                                l1);
+          },
+          nb::arg("src_block_table"), nb::arg("dst_block_table"), nb::arg("start"), nb::arg("end"),
+          nb::arg("l0"), nb::arg("l1"),
+          "The runs of a range, kept for Engine.put_prepared (a PreparedPut)");
+
+  nb::class_<PreparedPut>(m, "PreparedPut")
+      .def_ro("nbytes", &PreparedPut::nbytes)
+      .def_prop_ro("runs", [](const PreparedPut& p) { return p.runs.size(); });
 
   nb::class_<Engine>(m, "Engine")
       .def(nb::init<const std::vector<std::pair<std::string, std::string>>&>(), nb::arg("config"))
@@ -263,6 +278,22 @@ NB_MODULE(_ucx, m) {
           "Compute the runs of a range with `plan` and put them, then DONE(rid) from this "
           "engine's agent id (see put). Returns (op id, status, runs, bytes); status 2: the mean "
           "run is below min_mean_run, nothing posted")
+      .def(
+          "put_prepared",
+          [](Engine& e, uint64_t ep, const PreparedPut& prep, nb::bytes rid, unsigned spin_us) {
+            std::string id = str(rid);
+            kvb::ucx::Posted p;
+            {
+              nb::gil_scoped_release release;
+              std::string note = kvb::ucx::encode_done(e.agent_id(), id, prep.start, prep.end,
+                                                       prep.l0, prep.l1, prep.nbytes);
+              p = e.put(ep, prep.runs.data(), prep.runs.size(), note, spin_us);
+            }
+            return nb::make_tuple(p.op_id, p.status);
+          },
+          nb::arg("ep"), nb::arg("prepared"), nb::arg("rid"), nb::arg("spin_us"),
+          "Put a PreparedPut's runs, then DONE(rid) from this engine's agent id (see put). "
+          "Returns (op id, status)")
       .def(
           "send",
           [](Engine& e, uint64_t ep, nb::bytes msg, bool report) {

@@ -418,3 +418,71 @@ def test_put_window_moves_every_run_exactly(window: int) -> None:
 def test_put_window_is_checked() -> None:
     with pytest.raises(InvalidArgument):
         ucx.UcxAgent(SMALL, make_cache(SMALL, 4, None), put_window=-1)
+
+
+# ---- a send prepared once, posted under many request ids ------------------------------------
+@pytest.mark.parametrize("layout", [SMALL, SMALL.replace(order="page_first", stacked=True)])
+def test_a_prepared_send_moves_its_range_under_each_request_id(layout: KVLayout) -> None:
+    """``prepare_send`` checks the range and computes its runs once; each
+    ``post`` sends the pages as they are then, under its own request id,
+    and the receiver expects each request as usual."""
+
+    async def body() -> None:
+        src, dst = make_cache(layout, 16, 4), make_cache(layout, 16, None)
+        a = ucx.UcxAgent(layout, src, min_put_run_bytes=0)
+        b = ucx.UcxAgent(layout, dst, min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        sbt, dbt = np.array([3, 9, 4]), np.array([12, 0, 7])
+        prep = peer.prepare_send(sbt, dbt, 2, 21, layers=(1, 3))
+        assert prep.nbytes == layout.wire_nbytes(19, (1, 3), layout.head_range)
+        assert prep.runs >= 1
+        for i in range(4):
+            for t in src:  # the pages change between posts: a post sends what they hold then
+                t[...] = np.random.default_rng(10 + i).integers(0, 2**16, t.shape, dtype=t.dtype)
+            he = b.expect(f"r{i}", dbt, 2, 21, layers=(1, 3))
+            hs = prep.post(f"r{i}")
+            sst, rst = await hs, await he
+            assert sst.path == "put" and sst.bytes == rst.bytes == prep.nbytes
+            assert sst.runs == prep.runs and rst.layers_done == 2
+            assert same_tokens(layout, src, sbt, layout, dst, dbt, 2, 21, layers=(1, 3))
+        with pytest.raises(InvalidArgument, match="1024"):
+            prep.post("x" * 1025)
+        await a.close()
+        with pytest.raises(Exception, match="closed"):
+            prep.post("after")
+        await b.close()
+
+    run(body)
+
+
+def test_a_prepared_send_is_checked_when_made() -> None:
+    """A bad range, pages outside either cache and caches of different
+    layouts fail at ``prepare_send`` with typed errors, before any post;
+    a peer that is gone fails each post with its error."""
+
+    async def body() -> None:
+        from kvbridge.errors import LayoutError, PageIndexError
+
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        other = SMALL.replace(page_tokens=16)
+        c = ucx.UcxAgent(other, make_cache(other, 8, None), min_put_run_bytes=0)
+        peer = await a.connect(b.metadata())
+        with pytest.raises(LayoutError):
+            peer.prepare_send(np.arange(2), np.arange(2), 9, 3)
+        with pytest.raises(PageIndexError):
+            peer.prepare_send(np.array([0, 8]), np.arange(2), 0, 16)  # our page 8 of 8
+        with pytest.raises(PageIndexError):
+            peer.prepare_send(np.arange(2), np.array([0, 8]), 0, 16)  # the peer's page 8
+        with pytest.raises(PageIndexError):
+            peer.prepare_send(np.arange(1), np.arange(2), 0, 16)  # tokens past our table
+        with pytest.raises(LayoutError, match="same layout"):
+            (await a.connect(c.metadata())).prepare_send(np.arange(1), np.arange(1), 0, 8)
+        prep = peer.prepare_send(np.arange(2), np.arange(2), 0, 16)
+        peer.gone(PeerGone("test: the peer went away"))
+        with pytest.raises(PeerGone):
+            prep.post("r")
+        for agent in (a, b, c):
+            await agent.close()
+
+    run(body)

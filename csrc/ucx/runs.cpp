@@ -92,4 +92,16 @@ uint64_t RunPlan::runs(const int64_t* src_bt, size_t src_n, const int64_t* dst_b
   return total;
 }
 
+PreparedPut RunPlan::prepare(const int64_t* src_bt, size_t src_n, const int64_t* dst_bt,
+                             size_t dst_n, int64_t start, int64_t end, int64_t l0,
+                             int64_t l1) const {
+  PreparedPut p;
+  p.nbytes = runs(src_bt, src_n, dst_bt, dst_n, start, end, l0, l1, &p.runs);
+  p.start = static_cast<uint64_t>(start);
+  p.end = static_cast<uint64_t>(end);
+  p.l0 = static_cast<uint64_t>(l0);
+  p.l1 = static_cast<uint64_t>(l1);
+  return p;
+}
+
 }  // namespace kvb::ucx

@@ -25,6 +25,14 @@ class RangeError : public std::out_of_range {
   using std::out_of_range::out_of_range;
 };
 
+// The runs of one range made once (RunPlan::prepare), posted as many times
+// as asked, each post with its own request id in its DONE (Engine::put).
+struct PreparedPut {
+  std::vector<PutRun> runs;
+  uint64_t start = 0, end = 0, l0 = 0, l1 = 0;
+  uint64_t nbytes = 0;
+};
+
 class RunPlan {
  public:
   // Shared by both sides (same exact_hash): page_tokens, components (2, or 1
@@ -37,6 +45,11 @@ class RunPlan {
   // (cleared first).  Returns the byte count.  Throws RangeError.
   uint64_t runs(const int64_t* src_bt, size_t src_n, const int64_t* dst_bt, size_t dst_n,
                 int64_t start, int64_t end, int64_t l0, int64_t l1, std::vector<PutRun>* out) const;
+
+  // The runs of tokens [start, end) of layers [l0, l1), kept for posting.
+  // Throws RangeError.
+  PreparedPut prepare(const int64_t* src_bt, size_t src_n, const int64_t* dst_bt, size_t dst_n,
+                      int64_t start, int64_t end, int64_t l0, int64_t l1) const;
 
  private:
   int64_t pt_, comps_, heads_, head_bytes_;

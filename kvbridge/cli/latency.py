@@ -138,6 +138,24 @@ def configs(
                     tls,
                 )
             )
+        if "kvb-ucx-prep" in libs:
+            out.append(
+                Config(
+                    f"kvbridge UCX {tls} prepared",
+                    "kvb-ucx",
+                    UCX_ENV[tls],
+                    {
+                        "busy_poll_us": polls[0],
+                        "poll_yield_us": yields[0],
+                        "mode": "poll",
+                        "prepared": True,
+                    },
+                    "one send prepared (prepare_send), posted per request id, as NIXL's "
+                    f"re-posted handle; polls done(); busy_poll_us={polls[0]}, "
+                    f"poll_yield_us={yields[0]}, progress=thread, error_mode=none",
+                    tls,
+                )
+            )
         if baseline and "kvb-ucx" in libs:
             out.append(
                 Config(
@@ -350,10 +368,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls", default="tcp,tcp+sm", help="UCX_TLS settings: tcp, tcp+sm (tcp,sm)")
     p.add_argument(
         "--libs",
-        default="uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,nixl,nixl-req",
+        default="uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,kvb-ucx-prep,nixl,nixl-req",
         help="comma list of uvloop, kvb-tcp, kvb-ucx (awaiting), kvb-ucx-poll (polling done()), "
-        "nixl (one transfer handle re-posted), nixl-req (a handle per request, as vLLM's NIXL "
-        "connector)",
+        "kvb-ucx-prep (one prepared send posted per request, polling), nixl (one transfer "
+        "handle re-posted), nixl-req (a handle per request, as vLLM's NIXL connector)",
     )
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rounds", type=int, default=10)

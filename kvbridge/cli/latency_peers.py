@@ -155,10 +155,13 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     lay = page_layout(size)
     opts = dict(opts)
     finished = _ucx_finisher(opts.pop("mode", "await") == "poll")
+    prepared = bool(opts.pop("prepared", False))
 
     async def main() -> None:
         agent, peer = await _ucx_pair(conn, role, lay, opts, fill=True)
         src, dst = np.array([1]), np.array([0])
+        # prepared: the runs made once, each post names its request
+        post = peer.prepare_send(src, dst, 0, 16).post if prepared else None
         me, them = ("a", "b") if role == 0 else ("b", "a")
         seq = 0
         async for n in _ucx_commands(conn):
@@ -167,7 +170,12 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
                 he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
                 if role == 0:
                     t0 = time.perf_counter()
-                    hs = peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0)
+                    rid = f"{me}{seq}"
+                    hs = (
+                        post(rid, timeout=30.0)
+                        if post
+                        else peer.send(rid, src, dst, 0, 16, timeout=30.0)
+                    )
                     await finished(hs)
                     t1 = time.perf_counter()
                     await finished(he)
@@ -175,7 +183,12 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
                     sender.append(t1 - t0)
                 else:
                     await finished(he)
-                    await finished(peer.send(f"{me}{seq}", src, dst, 0, 16, timeout=30.0))
+                    rid = f"{me}{seq}"
+                    await finished(
+                        post(rid, timeout=30.0)
+                        if post
+                        else peer.send(rid, src, dst, 0, 16, timeout=30.0)
+                    )
                 seq += 1
             conn.send(("samples", one_way, sender))
         await agent.close()

@@ -19,10 +19,11 @@ from __future__ import annotations
 from .agent import UcxAgent
 from .handle import TransferHandle, TransferStats
 from .loader import DEFAULT_UCX_CONFIG, available, unavailable_reason
-from .peer import UcxPeer
+from .peer import PreparedSend, UcxPeer
 
 __all__ = [
     "DEFAULT_UCX_CONFIG",
+    "PreparedSend",
     "TransferHandle",
     "TransferStats",
     "UcxAgent",

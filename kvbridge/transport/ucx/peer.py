@@ -20,7 +20,7 @@ from .runs import CacheGeometry
 if TYPE_CHECKING:
     from .staging import Staging
 
-__all__ = ["PeerHost", "UcxPeer"]
+__all__ = ["PeerHost", "PreparedSend", "UcxPeer"]
 
 # the handle of a put that completed inline (called once per small send)
 _completed_send = TransferHandle.completed_send
@@ -58,6 +58,19 @@ class PeerHost(Protocol):
         rid: str,
         min_mean_run: int,
     ) -> tuple[int, int, int, int] | None: ...
+
+    def prepare_put(
+        self,
+        peer: UcxPeer,
+        block_table: Any,
+        remote_block_table: Any,
+        start: int,
+        end: int,
+        l0: int,
+        l1: int,
+    ) -> Any: ...
+
+    def put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]: ...
 
     def abort(self, h: TransferHandle, exc: KVBridgeError) -> None: ...
 
@@ -175,13 +188,7 @@ class UcxPeer:
                 op, status, nruns, nbytes = posted
                 if status == 0:  # flushed at the target and its DONE sent, inline
                     return _completed_send(rid, nbytes, nruns, deadline, host.abort)
-                h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
-                h.owner = self
-                h.stats.path = "put"
-                h.stats.runs = nruns
-                h.stats.bytes = nbytes
-                host.adopt_put(self, h, op, status)
-                return h
+                return self._put_in_flight(rid, op, status, nruns, nbytes, deadline)
         elif path == "put":
             raise LayoutError("the put path needs both caches to have the same memory layout")
         staging = host.staging
@@ -228,7 +235,48 @@ class UcxPeer:
         """Say goodbye and release the endpoint."""
         await self._host.close_peer(self)
 
+    def prepare_send(
+        self,
+        block_table: Any,
+        remote_block_table: Any,
+        start: int,
+        end: int,
+        layers: tuple[int, int] | None = None,
+    ) -> PreparedSend:
+        """A put-path send of tokens ``[start, end)`` of ``layers`` from our
+        pages ``block_table`` into the peer's ``remote_block_table``, checked
+        and turned into coalesced runs once, to post as often as needed
+        with :meth:`PreparedSend.post` (each post under its own request
+        id): what NIXL's prepared transfer handles are to its users.  Both
+        caches must have the same memory layout (``LayoutError``
+        otherwise); bad pages raise ``PageIndexError`` here, not at a post."""
+        self._check()
+        host = self._host
+        lay = host.layout
+        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
+        if not 0 <= start <= end:
+            raise LayoutError(f"bad token range [{start}, {end})")
+        if not self.same_layout:
+            raise LayoutError(
+                "a prepared send takes the put path: both caches need the same layout"
+            )
+        prepared = host.prepare_put(self, block_table, remote_block_table, start, end, l0, l1)
+        return PreparedSend(self, start, end, (l0, l1), prepared)
+
     # ---- used by the agent ----------------------------------------------------------------
+    def _put_in_flight(
+        self, rid: str, op: int, status: int, nruns: int, nbytes: int, deadline: float
+    ) -> TransferHandle:
+        """The handle of put ``op`` that did not complete inline (``status``)."""
+        host = self._host
+        h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
+        h.owner = self
+        h.stats.path = "put"
+        h.stats.runs = nruns
+        h.stats.bytes = nbytes
+        host.adopt_put(self, h, op, status)
+        return h
+
     def track(self, h: TransferHandle) -> None:
         """A send of ours to this peer is in flight."""
         self._sends[id(h)] = h
@@ -254,3 +302,41 @@ class UcxPeer:
         if self.error is None:
             self.error = exc
         self.fail_sends(exc)
+
+
+class PreparedSend:
+    """A put-path send of one page range to one peer, made once by
+    :meth:`UcxPeer.prepare_send` and posted as often as needed, each post
+    under its own request id.  A post is one engine call (the runs' puts,
+    their flush, then the DONE naming the request, encoded in C++) and a
+    handle, as :meth:`UcxPeer.send` returns: the receiver expects each
+    request as usual.  The pages are read when a post runs, so a post after
+    they changed sends what they hold then."""
+
+    __slots__ = ("_prepared", "end", "layers", "nbytes", "peer", "runs", "start")
+
+    def __init__(
+        self, peer: UcxPeer, start: int, end: int, layers: tuple[int, int], prepared: Any
+    ) -> None:
+        self.peer = peer
+        self.start = start
+        self.end = end
+        self.layers = layers
+        self.runs: int = prepared.runs  # one-sided puts per post (after coalescing)
+        self.nbytes: int = prepared.nbytes  # KV bytes per post
+        self._prepared = prepared
+
+    def post(self, request_id: str, *, timeout: float | None = None) -> TransferHandle:
+        """Send the range as request ``request_id``; the handle completes when
+        its DONE is sent (after the flush: the bytes are at the peer)."""
+        peer = self.peer
+        if peer.error is not None:
+            raise peer.error
+        host = peer._host
+        host.check_open()
+        rid = request_id if type(request_id) is str else str(request_id)
+        op, status = host.put_prepared(peer, self._prepared, rid)
+        deadline = timeout or host.timeout
+        if status == 0:  # flushed at the target and its DONE sent, inline
+            return _completed_send(rid, self.nbytes, self.runs, deadline, host.abort)
+        return peer._put_in_flight(rid, op, status, self.runs, self.nbytes, deadline)
