@@ -462,7 +462,7 @@ class UcxAgent:
         are 1-D arrays (the engine converts another integer dtype), else as
         flat int64 arrays."""
         if peer.plan is None:
-            self._make_plan(peer)
+            self.run_plan(peer)
         rid_bytes = rid.encode()
         if len(rid_bytes) > MAX_RID:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
@@ -486,32 +486,16 @@ class UcxAgent:
             raise map_engine_error(e, "UCX put") from None
         return None if posted[1] == _TINY else posted  # (op, status, runs, bytes)
 
-    def _make_plan(self, peer: UcxPeer) -> None:
-        """The engine's runs between our cache and ``peer``'s (same layout)."""
-        peer.plan = self._mod.RunPlan(
-            **plan_args(self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids)
-        )
-
-    def prepare_put(
-        self,
-        peer: UcxPeer,
-        block_table: Any,
-        remote_block_table: Any,
-        start: int,
-        end: int,
-        l0: int,
-        l1: int,
-    ) -> Any:
-        """The engine's PreparedPut of a range (its coalesced runs)."""
+    def run_plan(self, peer: UcxPeer) -> Any:
+        """The engine's RunPlan between our cache and ``peer``'s (same
+        layout), made on first use."""
         if peer.plan is None:
-            self._make_plan(peer)
-        bt, rbt = as_table(block_table), as_table(remote_block_table)
-        try:
-            return peer.plan.prepare(bt, rbt, start, end, l0, l1)
-        except IndexError as e:
-            raise PageIndexError(str(e)) from None
-        except ValueError as e:
-            raise LayoutError(str(e)) from None
+            peer.plan = self._mod.RunPlan(
+                **plan_args(
+                    self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids
+                )
+            )
+        return peer.plan
 
     def put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]:
         """Post a PreparedPut under request id ``rid`` (puts, flush, DONE),

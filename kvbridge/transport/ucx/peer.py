@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ...errors import Cancelled, KVBridgeError, LayoutError, code_for_error
+from ...errors import Cancelled, KVBridgeError, LayoutError, PageIndexError, code_for_error
 from ...layout import KVLayout
 from .handle import TransferHandle
 from .messages import Kind, Message
 from .metadata import AgentMetadata, RegionKind
-from .runs import CacheGeometry
+from .runs import CacheGeometry, as_table
 
 if TYPE_CHECKING:
     from .staging import Staging
@@ -59,16 +59,7 @@ class PeerHost(Protocol):
         min_mean_run: int,
     ) -> tuple[int, int, int, int] | None: ...
 
-    def prepare_put(
-        self,
-        peer: UcxPeer,
-        block_table: Any,
-        remote_block_table: Any,
-        start: int,
-        end: int,
-        l0: int,
-        l1: int,
-    ) -> Any: ...
+    def run_plan(self, peer: UcxPeer) -> Any: ...
 
     def put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]: ...
 
@@ -260,7 +251,13 @@ class UcxPeer:
             raise LayoutError(
                 "a prepared send takes the put path: both caches need the same layout"
             )
-        prepared = host.prepare_put(self, block_table, remote_block_table, start, end, l0, l1)
+        bt, rbt = as_table(block_table), as_table(remote_block_table)
+        try:
+            prepared = host.run_plan(self).prepare(bt, rbt, start, end, l0, l1)
+        except IndexError as e:
+            raise PageIndexError(str(e)) from None
+        except ValueError as e:
+            raise LayoutError(str(e)) from None
         return PreparedSend(self, start, end, (l0, l1), prepared)
 
     # ---- used by the agent ----------------------------------------------------------------
