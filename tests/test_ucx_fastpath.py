@@ -218,8 +218,8 @@ def test_a_finished_receive_leaves_its_deadline_entry_and_stays_a_success() -> N
         early = b.expect("early", np.arange(3), 0, 20, timeout=0.05)
         b.expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
         assert early.done() and len(b._deadlines) == 1
-        late = b.expect("late", np.arange(3), 0, 20, timeout=0.1)
-        await asyncio.sleep(0.08)  # the timer reached the first entry only
+        late = b.expect("late", np.arange(3), 0, 20, timeout=0.6)
+        await asyncio.sleep(0.2)  # the timer reached the first entry only
         assert (await early).layers_done == SMALL.num_layers
         assert aborted == [] and len(b._deadlines) == 1 and not late.done()
         with pytest.raises(TransferTimeout):
