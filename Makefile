@@ -47,6 +47,11 @@ bench: $(STAMP)
 # transfer engine from PyPI beside kvbridge (docs/performance.md).
 bench-targets: $(STAMP)
 	$(BIN)/pip install -q nixl==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1
+	@# Mooncake's wheel links libibverbs even for TCP: Debian's libibverbs1, where apt-get can
+	@$(PYTHON) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || \
+	  { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	    apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } || \
+	  echo "libibverbs1 missing (apt-get install libibverbs1): the Mooncake rows will be skipped"
 	BIN=$(BIN) bash bench/targets.sh
 
 demo: $(STAMP)

@@ -75,9 +75,9 @@ def test_small_transfer_latency_behind_large(benchmark: Any, server: dict[str, A
 def test_tcp_rows_move_the_anchors_workload_intact(scenario: str) -> None:
     """kvbridge TCP (and Mooncake, where installed) move the scenario's
     bytes with a matching hash at both ends; raw uvloop moves them too."""
-    import importlib.util
     import types
 
+    from kvbridge.cli import compare_peers
     from kvbridge.cli import transfer_peers as tp
     from kvbridge.cli.compare import scenarios
 
@@ -88,7 +88,7 @@ def test_tcp_rows_move_the_anchors_workload_intact(scenario: str) -> None:
         )
     )  # fmt: skip
     libs = ["kvbridge", "kvbridge-2pass", "raw"]
-    if importlib.util.find_spec("mooncake") is not None:
+    if compare_peers.mooncake_unusable() is None:
         libs.append("mooncake")
     for row in tp.rows_for(libs, streams=2):
         r = tp.run_one(row, scen, iters=2, timeout=120.0)

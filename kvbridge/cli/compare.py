@@ -235,6 +235,10 @@ def missing_libraries(libs: list[str]) -> dict[str, str]:
             found = False
         if lib == "perftest" and found and perftest_binary() is None:
             found = False
+        if lib == "mooncake" and found:
+            from .compare_peers import mooncake_unusable
+
+            found = mooncake_unusable() is None
         if not found:
             out[lib] = _INSTALL[lib]
     return out

@@ -364,6 +364,21 @@ def _nixl_sender(conn: Any, scen: Scenario, opts: dict[str, Any]) -> None:
 
 
 # ---- Mooncake transfer engine (TCP) ---------------------------------------------------------
+def mooncake_unusable() -> str | None:
+    """Why Mooncake's transfer engine cannot run here (not installed, or a
+    system library it links missing: its wheel needs Debian's libibverbs1
+    even for TCP), or None."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError as e:
+        if "mooncake" in str(e) and getattr(e, "name", "") in ("mooncake", "mooncake.engine"):
+            return "not installed (pip install mooncake-transfer-engine-non-cuda)"
+        return f"cannot load ({e}; its wheel needs Debian's libibverbs1)"
+    except OSError as e:
+        return f"cannot load ({e}; its wheel needs Debian's libibverbs1)"
+    return None
+
+
 def _mooncake_engine() -> Any:
     from mooncake.engine import TransferEngine
 

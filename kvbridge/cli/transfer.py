@@ -185,14 +185,15 @@ def _one_load(args: argparse.Namespace, psk: bytes | None, load: str) -> dict[st
 
 
 def _vs_mooncake(args: argparse.Namespace, load: str) -> list[dict[str, Any]]:
-    import importlib.util
     import types
 
+    from . import compare_peers
     from .compare import scenarios
 
     libs = [x for x in args.libs.split(",") if x]
-    if "mooncake" in libs and importlib.util.find_spec("mooncake") is None:
-        print("missing: mooncake (pip install mooncake-transfer-engine-non-cuda); skipped")
+    why = compare_peers.mooncake_unusable() if "mooncake" in libs else None
+    if why is not None:
+        print(f"missing: mooncake, {why}; skipped")
         libs.remove("mooncake")
     scens = scenarios(
         types.SimpleNamespace(
