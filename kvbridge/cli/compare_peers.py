@@ -370,11 +370,11 @@ def mooncake_unusable() -> str | None:
     even for TCP), or None."""
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError as e:
-        if "mooncake" in str(e) and getattr(e, "name", "") in ("mooncake", "mooncake.engine"):
+    except ModuleNotFoundError as e:
+        if e.name in ("mooncake", "mooncake.engine"):
             return "not installed (pip install mooncake-transfer-engine-non-cuda)"
-        return f"cannot load ({e}; its wheel needs Debian's libibverbs1)"
-    except OSError as e:
+        return f"cannot load ({e})"
+    except (ImportError, OSError) as e:  # a shared library it links is missing
         return f"cannot load ({e}; its wheel needs Debian's libibverbs1)"
     return None
 

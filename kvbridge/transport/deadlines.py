@@ -96,31 +96,33 @@ class Deadlines:
         heapq.heapify(self._heap)
         self._limit = max(_MIN_COMPACT, 2 * len(self))
 
+    def _front(self) -> tuple[float, Any, bool] | None:
+        """The earliest entry of the two containers (deadline, handle, from
+        the fifo), or None when both are empty."""
+        fifo, heap = self._fifo, self._heap
+        if fifo and (not heap or fifo[0][0] <= heap[0][0]):
+            return fifo[0][0], fifo[0][1], True
+        if heap:
+            return heap[0][0], heap[0][2], False
+        return None
+
     def _fire(self) -> None:
         self._timer = None
         now = time.monotonic()
-        while True:
-            # the earliest entry of the two (an _expire may add entries or
-            # compact, so the containers are read afresh); a settled one is
-            # dropped whatever its deadline
-            fifo, heap = self._fifo, self._heap
-            if fifo and (not heap or fifo[0][0] <= heap[0][0]):
-                deadline, handle = fifo[0]
-                if handle.settled or deadline <= now:
-                    fifo.popleft()
-                    if not handle.settled:
-                        handle._expire()
-                    continue
-            elif heap:
-                deadline, _, handle = heap[0]
-                if handle.settled or deadline <= now:
-                    heapq.heappop(heap)
-                    if not handle.settled:
-                        handle._expire()
-                    continue
+        # an _expire may add entries or compact: the front is read afresh each
+        # time; a settled entry is dropped whatever its deadline
+        while (front := self._front()) is not None:
+            deadline, handle, in_fifo = front
+            if not handle.settled and deadline > now:
+                break
+            if in_fifo:
+                self._fifo.popleft()
             else:
-                return
-            break
+                heapq.heappop(self._heap)
+            if not handle.settled:
+                handle._expire()
+        else:
+            return
         if self._timer is not None:  # an _expire added a handle, which armed it
             if deadline >= self._at:
                 return
