@@ -29,6 +29,23 @@ def test_latency_small() -> None:
     for c in cfgs:
         assert not c.error, (c.name, c.error)
         assert len(c.samples) == 20, c.name
+        assert [len(b) for b in c.bursts] == [10, 10], c.name
+    assert latency.format_positions(cfgs, 4096, "idle").count(" 1:") == len(cfgs)
+
+
+def test_positions() -> None:
+    """--positions: each row's median over its bursts at chosen positions
+    (1-5, every fifth, the last), in microseconds; a row without full
+    bursts (an error) is left out."""
+    a = latency.Config("a", "kvb-ucx", {}, {}, "")
+    a.bursts = [[10e-6 * (i + 1) + 1e-6 * r for i in range(30)] for r in range(3)]
+    b = latency.Config("b", "nixl", {}, {}, "", error="failed")
+    out = latency.format_positions([a, b], 4096, "idle").splitlines()
+    assert out[0].startswith("# median by position in the burst") and "3 bursts" in out[0]
+    assert len(out) == 2 and " b " not in out[1]
+    cells = dict(c.split(":") for c in out[1].split()[3:])
+    assert list(cells) == ["1", "2", "3", "4", "5", "10", "15", "20", "25", "30"]
+    assert cells["1"] == "11.0" and cells["10"] == "101.0" and cells["30"] == "301.0"
 
 
 def test_placement() -> None:

@@ -45,7 +45,11 @@ run() {
   echo "($((SECONDS - t0)) s; load average after: $(cut -d' ' -f1-3 /proc/loadavg))" | tee -a "$OUT/$name.txt"
 }
 run latency latency --sizes 4096,65536 --busy --libs uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,kvb-ucx-prep,nixl,nixl-req \
-  --warmup 50 --rounds 10 --burst 25
+  --warmup 50 --rounds 10 --burst 25 --positions
+# the same UCX rows in long bursts: their steady state, apart from the first
+# legs after each pause (which --positions shows above)
+run latency-long latency --sizes 4096,65536 --libs kvb-ucx,kvb-ucx-poll,kvb-ucx-prep,nixl,nixl-req \
+  --warmup 50 --rounds 5 --burst 400 --positions
 run compare compare --scenarios bulk,pages --rounds 3 --iters 4 --loads idle,busy
 run transfer transfer --loads idle,busy --repeats 6 --rounds 5 --count 50 --iters 4 --no-progress
 run pack pack

@@ -67,6 +67,7 @@ class Config:
     tls: str = ""
     samples: list[float] = field(default_factory=list)
     sender: list[float] = field(default_factory=list)
+    bursts: list[list[float]] = field(default_factory=list)  # the samples of each burst
     error: str = ""
 
 
@@ -320,6 +321,7 @@ def measure(
                 try:
                     s, snd = pair.burst(burst, timeout)
                     pair.cfg.samples += s
+                    pair.cfg.bursts.append(s)
                     pair.cfg.sender += snd
                 except KVBridgeError as e:
                     pair.cfg.error = str(e)
@@ -363,6 +365,29 @@ def format_rows(cfgs: list[Config], size: int, load: str) -> str:
     return "\n".join(lines)
 
 
+def format_positions(cfgs: list[Config], size: int, load: str) -> str:
+    """Each row's median by position in its bursts (us): a row whose first
+    legs after a pause are slow (a wake-up, a path that is cold in the
+    caches while the other rows ran) shows it here, apart from its steady
+    state at the end of the burst."""
+    lines = []
+    for c in cfgs:
+        full = [b for b in c.bursts if b and len(b) == len(c.bursts[0])]
+        if c.error or not full:
+            continue
+        n = len(full[0])
+        picks = sorted(
+            {i for i in (0, 1, 2, 3, 4, 9, 14, 19, 24, 49, 99, 199, 399) if i < n} | {n - 1}
+        )
+        meds = [statistics.median(b[i] for b in full) * 1e6 for i in picks]
+        cells = " ".join(f"{i + 1}:{m:.1f}" for i, m in zip(picks, meds, strict=True))
+        lines.append(f"{size:>6} {load:<9} {c.name:<34} {cells}")
+    head = (
+        f"# median by position in the burst (leg: us), {len(cfgs[0].bursts) if cfgs else 0} bursts"
+    )
+    return "\n".join([head, *lines])
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="4096,65536", help="comma list of byte sizes")
     p.add_argument("--tls", default="tcp,tcp+sm", help="UCX_TLS settings: tcp, tcp+sm (tcp,sm)")
@@ -376,6 +401,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--burst", type=int, default=25, help="samples per row per round")
+    p.add_argument(
+        "--positions",
+        action="store_true",
+        help="also print each row's median by position in the burst (the first legs after a "
+        "pause against the steady state)",
+    )
     p.add_argument(
         "--busy-poll-us",
         default="1000",
@@ -438,6 +469,8 @@ def run(args: Any) -> int:
             with spinning_core(load != "idle"):
                 measure(cfgs, size, args.warmup, args.rounds, args.burst, args.timeout, placement)
             print(format_rows(cfgs, size, load), flush=True)
+            if getattr(args, "positions", False):
+                print(format_positions(cfgs, size, load), flush=True)
             ok = ok and all(not c.error for c in cfgs)
     if args.breakdown and "kvb-tcp" in libs:
         trees = [("current", None)] + ([("baseline", baseline)] if baseline else [])
