@@ -10,9 +10,13 @@ driven two ways in the same pair, rounds interleaved:
   ``poll_take`` and the post the engine's ``put_prepared``, with no handle
   on the path; the receive is accounted in Python after the reply left.
 
-The difference is what kvbridge's Python API costs a leg; ``engine`` is the
-UCX work (the CMA put, its flush, the DONE, the poll that sees it) plus the
-engine's own bookkeeping.  A sample is half a round trip.
+* ``post-api`` and ``wait-api``: the API on one half of the leg only (the
+  post, or the wait), the engine's calls on the other.
+
+The difference is what kvbridge's Python API costs a leg, and the two
+hybrids say which half of it; ``engine`` is the UCX work (the CMA put, its
+flush, the DONE, the poll that sees it) plus the engine's own bookkeeping.
+A sample is half a round trip.
 
     python bench/bench_ucx_floor.py [--legs 20000] [--rounds 3] [--tls tcp+sm]
 
@@ -32,7 +36,7 @@ from typing import Any
 
 import pytest
 
-MODES = ("api", "engine")
+MODES = ("api", "engine", "post-api", "wait-api")
 
 
 def _side(conn: Any, role: int, tls: str) -> None:
@@ -70,6 +74,20 @@ def _side(conn: Any, role: int, tls: str) -> None:
                     if he.settled:
                         return -1
 
+        async def wait(he: Any, api: bool) -> int:
+            if api:  # as a user polls: done(), then the (resolved) handle
+                while not he.done():
+                    pass
+                await he
+                return -1
+            return take(he)
+
+        def send(rid: str, api: bool) -> None:
+            if api:
+                post(rid, timeout=30.0)
+            else:
+                eng.put_prepared(ep, prep, rid.encode(), spin)
+
         seq = 0
         while True:
             cmd = conn.recv()
@@ -77,34 +95,21 @@ def _side(conn: Any, role: int, tls: str) -> None:
                 break
             _, mode, n = cmd
             legs: list[float] = []
+            post_api, wait_api = mode in ("api", "post-api"), mode in ("api", "wait-api")
             for _ in range(n):
                 he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
-                if mode == "api":
-                    if role == 0:
-                        t0 = time.perf_counter()
-                        post(f"{me}{seq}", timeout=30.0)
-                        while not he.done():
-                            pass
-                        await he
-                        legs.append((time.perf_counter() - t0) / 2)
-                    else:
-                        while not he.done():
-                            pass
-                        await he
-                        post(f"{me}{seq}", timeout=30.0)
+                tok, rid = he.token, f"{me}{seq}"
+                if role == 0:
+                    t0 = time.perf_counter()
+                    send(rid, post_api)
+                    got = await wait(he, wait_api)
+                    legs.append((time.perf_counter() - t0) / 2)
                 else:
-                    tok, rid = he.token, f"{me}{seq}".encode()
-                    if role == 0:
-                        t0 = time.perf_counter()
-                        eng.put_prepared(ep, prep, rid, spin)
-                        got = take(he)
-                        legs.append((time.perf_counter() - t0) / 2)
-                    else:
-                        got = take(he)
-                        eng.put_prepared(ep, prep, rid, spin)
-                    if got >= 0:  # accounted in Python after the reply left
-                        agent.expectations.on_landed(tok, got, None, 0, True)
-                    await he  # resolved: the bytes are accounted
+                    got = await wait(he, wait_api)
+                    send(rid, post_api)
+                if got >= 0:  # accounted in Python after the reply left
+                    agent.expectations.on_landed(tok, got, None, 0, True)
+                await he  # resolved: the bytes are accounted
                 seq += 1
             conn.send(("legs", legs))
         landed = bool((agent.cache[:, 0] == 2 - role).all())  # the other side's page 1
@@ -173,7 +178,7 @@ def main() -> int:
         got = measure(tls, args.legs, args.rounds)
         med = {m: statistics.median(got[m]) for m in MODES}
         for m in MODES:
-            print(f"UCX {tls:7s} {m:7s} half round trip: median {med[m]:6.2f} us")
+            print(f"UCX {tls:7s} {m:8s} half round trip: median {med[m]:6.2f} us")
         print(f"UCX {tls:7s} api / engine: {med['api'] / med['engine']:.2f}x")
     return 0
 
