@@ -137,6 +137,28 @@ def test_prepared_send_row() -> None:
     assert len(cfgs[0].samples) == 20
 
 
+@pytest.mark.ucx
+def test_engine_call_rows() -> None:
+    """kvb-ucx-engine: the prepared row with the engine's calls on the post,
+    the wait, or both (three rows, each ratio'd against NIXL over its
+    UCX_TLS); each ping-pongs to completion, and its side checks that its
+    landing page holds the other side's bytes after every burst."""
+    from kvbridge.transport import ucx
+
+    if not ucx.available():
+        pytest.skip(ucx.unavailable_reason())
+    cfgs = latency.configs(["tcp,sm"], ["kvb-ucx-engine"], 1000)
+    assert [(c.name, c.opts["engine_post"], c.opts["engine_wait"]) for c in cfgs] == [
+        ("kvbridge UCX tcp,sm engine calls", True, True),
+        ("kvbridge UCX tcp,sm engine post", True, False),
+        ("kvbridge UCX tcp,sm engine wait", False, True),
+    ]
+    latency.measure(cfgs, 4096, warmup=5, rounds=2, burst=10, timeout=60.0)
+    for c in cfgs:
+        assert not c.error, (c.name, c.error)
+        assert len(c.samples) == 20 and all(x > 0 for x in c.samples), c.name
+
+
 def test_trace_steps() -> None:
     """Each leg's steps from both sides' stamps (seconds); a leg whose
     expect resolved before the other side's send() was called is refused."""

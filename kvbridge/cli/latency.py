@@ -157,6 +157,28 @@ def configs(
                     tls,
                 )
             )
+        engine_rows = [
+            ("engine calls", True, True, "the post and the wait"),
+            ("engine post", True, False, "the post; done() polled as in the prepared row"),
+            ("engine wait", False, True, "the wait; post() as in the prepared row"),
+        ]
+        for name, engine_post, engine_wait, what in engine_rows if "kvb-ucx-engine" in libs else []:
+            out.append(
+                Config(
+                    f"kvbridge UCX {tls} {name}",
+                    "kvb-ucx-engine",
+                    UCX_ENV[tls],
+                    {
+                        "busy_poll_us": polls[0],
+                        "poll_yield_us": yields[0],
+                        "engine_post": engine_post,
+                        "engine_wait": engine_wait,
+                    },
+                    f"the prepared row with the engine's calls in place of the API on {what} "
+                    "(put_prepared, poll_take: no handle on the path)",
+                    tls,
+                )
+            )
         if baseline and "kvb-ucx" in libs:
             out.append(
                 Config(
@@ -395,8 +417,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--libs",
         default="uvloop,kvb-tcp,kvb-ucx,kvb-ucx-poll,kvb-ucx-prep,nixl,nixl-req",
         help="comma list of uvloop, kvb-tcp, kvb-ucx (awaiting), kvb-ucx-poll (polling done()), "
-        "kvb-ucx-prep (one prepared send posted per request, polling), nixl (one transfer "
-        "handle re-posted), nixl-req (a handle per request, as vLLM's NIXL connector)",
+        "kvb-ucx-prep (one prepared send posted per request, polling), kvb-ucx-engine (the "
+        "prepared row with the engine's calls in place of the API on the post, the wait, or "
+        "both: three rows), nixl (one transfer handle re-posted), nixl-req (a handle per "
+        "request, as vLLM's NIXL connector)",
     )
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rounds", type=int, default=10)

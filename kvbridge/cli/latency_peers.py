@@ -196,6 +196,78 @@ def _kvb_ucx(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     run(main())
 
 
+# ---- kvbridge UCX through the engine's calls: the floor under the API ----------------------
+def _kvb_ucx_engine(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
+    """The prepared row's ping-pong with the engine's calls in place of the
+    API on the post (``put_prepared``, no handle), on the wait
+    (``poll_take`` on the expectation's token, accounted in Python after
+    the reply left), or both: the difference to the prepared row is what
+    the Python API costs a leg, and on which half."""
+    from ..transport.tcp import run
+
+    lay = page_layout(size)
+    engine_post, engine_wait = bool(opts.pop("engine_post")), bool(opts.pop("engine_wait"))
+    finished = _ucx_finisher(True)
+
+    async def main() -> None:
+        agent, peer = await _ucx_pair(conn, role, lay, opts, fill=True)
+        src, dst = np.array([1]), np.array([0])
+        prepared = peer.prepare_send(src, dst, 0, 16)
+        eng, ep, prep, spin = agent._engine, peer.ep, prepared._prepared, agent.busy_poll_us
+        me, them = ("a", "b") if role == 0 else ("b", "a")
+
+        def take(he: Any) -> int:
+            """Poll the engine until ``he``'s DONE completed it there: its
+            bytes; -1 when it came through Python instead (a DONE that
+            arrived before its expect is an early part, applied by the loop
+            or here: ``he`` may be settled from the start)."""
+            while not he.settled:
+                got = eng.poll_take(0, he.token, 0)
+                if got >= 0:
+                    return int(got)
+                if got == -2:  # something else is queued for Python: account it
+                    agent._on_events()
+            return -1
+
+        async def wait(he: Any) -> int:
+            if engine_wait:
+                return take(he)
+            await finished(he)  # done() polled, then the resolved handle
+            return -1
+
+        def send(rid: str) -> None:
+            if engine_post:
+                eng.put_prepared(ep, prep, rid.encode(), spin)
+            else:
+                prepared.post(rid, timeout=30.0)
+
+        seq = 0
+        async for n in _ucx_commands(conn):
+            one_way, sender = [], []
+            for _ in range(n):
+                he = agent.expect(f"{them}{seq}", dst, 0, 16, timeout=30.0)
+                if role == 0:
+                    t0 = time.perf_counter()
+                    send(f"{me}{seq}")
+                    t1 = time.perf_counter()
+                    got = await wait(he)
+                    one_way.append((time.perf_counter() - t0) / 2)
+                    sender.append(t1 - t0)
+                else:
+                    got = await wait(he)
+                    send(f"{me}{seq}")
+                if got >= 0:  # accounted in Python after the reply left
+                    agent.expectations.on_landed(he.token, got, None, 0, True)
+                await he
+                seq += 1
+            if not (agent.cache[:, 0] == 2 - role).all():  # the other side's page 1
+                raise KVBridgeError("the landing page does not hold the other side's bytes")
+            conn.send(("samples", one_way, sender))
+        await agent.close()
+
+    run(main())
+
+
 # ---- kvbridge UCX, traced: where the time of one small put goes, over two processes ----------
 def _kvb_ucx_trace(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
     """Side 0 (A) and side 1 (B) ping-pong as in ``_kvb_ucx``, stamping on
@@ -535,6 +607,7 @@ def _nixl(conn: Any, role: int, size: int, opts: dict[str, Any]) -> None:
 
 _SIDES = {
     "kvb-ucx": _kvb_ucx,
+    "kvb-ucx-engine": _kvb_ucx_engine,
     "kvb-ucx-trace": _kvb_ucx_trace,
     "kvb-tcp": _kvb_tcp,
     "kvb-tcp-trace": _kvb_tcp_trace,
