@@ -30,6 +30,9 @@ ERRATA = {
 }
 # Control messages of version 2 (ABORT codes are ErrorCode values) are valid since.
 VALID_SINCE = {68}  # a version 2 DONE
+# Metadata version 3 (a worker's shared-memory FIFO) is defined since: a
+# version 1 body marked 3 is a malformed version 3 blob, no longer an unknown version.
+ERRATA[30] = "RemoteProtocolError"
 for _i, _err in ERRATA.items():
     CASES[_i] = dict(CASES[_i], valid=False, expected_error=_err)
 for _i in VALID_SINCE:

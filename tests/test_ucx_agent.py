@@ -238,6 +238,29 @@ def test_mismatched_layouts_rejected_with_message() -> None:
     run(body)
 
 
+def test_peer_with_another_shared_memory_fifo_is_refused_before_an_endpoint() -> None:
+    """UCX writes into a peer's shared-memory FIFO with its own geometry:
+    agents whose FIFOs differ (here one with UCX's default elements, as a
+    kvbridge writing metadata version 1 runs) refuse each other with a
+    typed error, without creating an endpoint; equal ones connect."""
+
+    async def body() -> None:
+        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None))
+        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
+        assert a.shm_fifo == (256, 256) and b.shm_fifo == (128, 256)
+        for x, y in ((a, b), (b, a)):
+            with pytest.raises(IncompatiblePeer, match="shared-memory FIFO"):
+                await x.connect(y.metadata())
+            assert not x.peers
+        c = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
+        peer = await b.connect(c.metadata())  # two of UCX's default FIFO
+        assert peer.error is None
+        for agent in (a, b, c):
+            await agent.close()
+
+    run(body)
+
+
 def test_corrupt_and_stale_metadata_rejected() -> None:
     async def body() -> None:
         a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import numpy as np
@@ -23,6 +24,7 @@ from kvbridge.transport.ucx.metadata import (
     RegionInfo,
     RegionKind,
     check_layouts,
+    check_shm_fifo,
     decode_metadata,
     encode_metadata,
 )
@@ -72,6 +74,68 @@ def test_metadata_version_mismatch() -> None:
     struct.pack_into("<H", blob, 8, 99)
     with pytest.raises(VersionMismatch):
         decode_metadata(bytes(blob))
+
+
+def test_metadata_names_a_shared_memory_fifo_other_than_ucx_default() -> None:
+    """Version 3 carries the worker's shared-memory FIFO (element bytes,
+    elements); versions 1 and 2 mean UCX's default, 128 and 256."""
+    plain = _md()
+    assert plain.shm_fifo == (128, 256)
+    blob = encode_metadata(plain)
+    assert struct.unpack_from("<H", blob, 8)[0] == 1  # UCX's default: version 1 as before
+    assert decode_metadata(blob).shm_fifo == (128, 256)
+    for layout, fifo in (
+        (SMALL, (256, 256)),
+        (SMALL.replace(head_start=1, model_kv_heads=4), (256, 512)),
+    ):
+        md = dataclasses.replace(_md(layout), shm_fifo=fifo)
+        blob = encode_metadata(md)
+        assert struct.unpack_from("<H", blob, 8)[0] == 3
+        back = decode_metadata(blob)
+        assert back == md and back.shm_fifo == fifo
+        assert back.layout.head_range == layout.head_range
+    # the two fields sit after the head range: version 3 is version 2's body and 8 bytes
+    v2 = encode_metadata(_md(SMALL.replace(head_start=1, model_kv_heads=4)))
+    assert len(blob) == len(v2) + 8
+
+
+@pytest.mark.parametrize("fifo", [(0, 256), (256, 0), (256, (1 << 20) + 1)])
+def test_metadata_fifo_out_of_bounds_rejected(fifo: tuple[int, int]) -> None:
+    good = dataclasses.replace(_md(), shm_fifo=(256, 256))
+    blob = bytearray(encode_metadata(good))
+    at = 16 + 70 + 8  # the header, the fixed fields, the head range
+    struct.pack_into("<II", blob, at, *fifo)
+    blob[-8:] = _reseal(bytes(blob[:-8]))
+    with pytest.raises(RemoteProtocolError, match="shared-memory FIFO"):
+        decode_metadata(bytes(blob))
+
+
+def _reseal(data: bytes) -> bytes:
+    import hashlib
+
+    return hashlib.blake2b(data, digest_size=8).digest()
+
+
+def test_shm_fifo_check() -> None:
+    check_shm_fifo((256, 256), (256, 256))
+    with pytest.raises(IncompatiblePeer, match="128 bytes, ours 256 of 256"):
+        check_shm_fifo((256, 256), (128, 256))
+    with pytest.raises(IncompatiblePeer, match="UCX_MM_FIFO_ELEM_SIZE"):
+        check_shm_fifo((128, 256), (128, 64))
+
+
+def test_shm_fifo_of_a_worker_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.errors import InvalidArgument
+    from kvbridge.transport.ucx.loader import DEFAULT_UCX_CONFIG, shm_fifo
+
+    monkeypatch.delenv("UCX_MM_FIFO_ELEM_SIZE", raising=False)
+    monkeypatch.delenv("UCX_MM_FIFO_SIZE", raising=False)
+    assert shm_fifo(dict(DEFAULT_UCX_CONFIG)) == (256, 256)  # kvbridge's default
+    assert shm_fifo({}) == (128, 256)  # UCX's
+    monkeypatch.setenv("UCX_MM_FIFO_SIZE", "64")
+    assert shm_fifo({"MM_FIFO_ELEM_SIZE": "192"}) == (192, 64)
+    with pytest.raises(InvalidArgument, match="MM_FIFO_ELEM_SIZE"):
+        shm_fifo({"MM_FIFO_ELEM_SIZE": "big"})
 
 
 def test_layout_checks() -> None:
@@ -213,3 +277,36 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
     )
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_hello_from_a_peer_with_another_fifo_gets_no_endpoint() -> None:
+    """A HELLO whose metadata names another shared-memory FIFO (a peer that
+    did not check ours) is dropped: no endpoint, not even one to answer
+    HELLO_NACK, since writing into that peer's FIFO would go astray; the
+    same HELLO with a bad epoch but a matching FIFO is answered."""
+    from kvbridge.transport.ucx.hello import Hellos
+
+    class Host:
+        agent_id, epoch, layout, timeout, shm_fifo = b"B" * 16, 7, SMALL, 1.0, (256, 256)
+
+        def __init__(self) -> None:
+            self.made: list[AgentMetadata] = []
+            self.posted: list[Message] = []
+
+        def make_peer(self, md: AgentMetadata, same: bool) -> object:
+            self.made.append(md)
+            return object()
+
+        def post_message(self, peer: object, msg: Message, on_sent: object = None) -> None:
+            self.posted.append(msg)
+
+        def known_peer(self, agent_id: bytes) -> None:
+            return None
+
+    for fifo, answered in (((128, 256), False), ((256, 256), True)):
+        host = Host()
+        md = dataclasses.replace(_md(), shm_fifo=fifo)
+        # epoch 1 names an earlier incarnation of the host: refused either way
+        Hellos(host).on_hello(Message(Kind.HELLO, md.agent_id, code=1, blob=encode_metadata(md)))
+        assert bool(host.made) is answered
+        assert [m.kind for m in host.posted] == ([Kind.HELLO_NACK] if answered else [])

@@ -44,7 +44,7 @@ from ..deadlines import Deadlines
 from .expect import Expect, Expectations
 from .handle import TransferHandle
 from .hello import Hellos
-from .loader import DEFAULT_UCX_CONFIG, load, unavailable_reason
+from .loader import DEFAULT_UCX_CONFIG, load, shm_fifo, unavailable_reason
 from .messages import (
     MAX_HELLO_BLOB,
     MAX_RID,
@@ -159,6 +159,8 @@ class UcxAgent:
         self.peer_timeout = float(peer_timeout)
         cfg = {k: v for k, v in DEFAULT_UCX_CONFIG.items() if f"UCX_{k}" not in os.environ}
         cfg.update(config or {})
+        # what peers must match (metadata version 3 names it when not UCX's default)
+        self.shm_fifo = shm_fifo(cfg)
         self._mod = mod
         try:
             self._engine = mod.Engine(list(cfg.items()))
@@ -178,7 +180,13 @@ class UcxAgent:
         self._engine.set_put_window(self.put_window)
         self._engine.set_yield_us(self.poll_yield_us)
         self._md = AgentMetadata(
-            self.agent_id, self.epoch, layout, reg.num_pages, self._engine.address(), reg.regions
+            self.agent_id,
+            self.epoch,
+            layout,
+            reg.num_pages,
+            self._engine.address(),
+            reg.regions,
+            self.shm_fifo,
         )
         self._blob = encode_metadata(self._md)
         if len(self._blob) > MAX_HELLO_BLOB:

@@ -19,7 +19,7 @@ from ...errors import (
 )
 from ...layout import KVLayout
 from .messages import Kind, Message
-from .metadata import AgentMetadata, check_layouts, decode_metadata
+from .metadata import AgentMetadata, check_layouts, check_shm_fifo, decode_metadata
 from .peer import UcxPeer
 
 __all__ = ["HelloHost", "Hellos"]
@@ -30,6 +30,7 @@ class HelloHost(Protocol):
     epoch: int
     layout: KVLayout
     timeout: float
+    shm_fifo: tuple[int, int]
 
     def metadata(self) -> bytes: ...
 
@@ -54,6 +55,7 @@ class Hellos:
     async def connect(self, blob: bytes, timeout: float | None) -> UcxPeer:
         host = self._host
         md = decode_metadata(blob)
+        check_shm_fifo(host.shm_fifo, md.shm_fifo)  # before an endpoint exists
         same = check_layouts(host.layout, md.layout)
         if md.agent_id == host.agent_id:
             raise InvalidArgument("cannot connect an agent to itself")
@@ -92,8 +94,11 @@ class Hellos:
 
     def on_hello(self, m: Message) -> None:
         host = self._host
+        fifo_ok = True
         try:
             md = decode_metadata(m.blob)
+            fifo_ok = md.shm_fifo == host.shm_fifo
+            check_shm_fifo(host.shm_fifo, md.shm_fifo)
             if md.agent_id != m.sender:
                 raise RemoteProtocolError("hello sender does not match its metadata")
             if m.code != host.epoch:
@@ -102,7 +107,11 @@ class Hellos:
                 )
             same = check_layouts(host.layout, md.layout)
         except KVBridgeError as e:
-            self._refuse(m, e)
+            if fifo_ok:
+                self._refuse(m, e)
+            # else no answer: an endpoint to a peer whose shared-memory FIFO
+            # differs from ours would write its HELLO_NACK into the wrong
+            # places there (a peer that checks our metadata never gets here)
             return
         old = host.known_peer(md.agent_id)
         if old is not None and old.error is None and old.metadata.epoch == md.epoch:

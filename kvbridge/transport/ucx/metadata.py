@@ -15,7 +15,10 @@ memory), the number of pages, the UCP worker address and the regions
 bounded before anything is allocated.  Version 2 (written only for a cache
 holding part of the model's KV heads, a tensor-parallel rank) adds, right
 after the fixed layout fields, ``head_start u32, model_kv_heads u32``;
-version 1 means all the model's heads.
+version 1 means all the model's heads.  Version 3 (written when the agent's
+UCP worker runs a shared-memory FIFO other than UCX's default) has the head
+fields of version 2 followed by ``fifo_elem_size u32, fifo_size u32``;
+versions 1 and 2 mean UCX's default FIFO (128-byte elements, 256 of them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 from ...errors import IncompatiblePeer, InvalidArgument, RemoteProtocolError, VersionMismatch
 from ...layout import DType, HeadOrder, KVLayout, MemoryOrder
+from .loader import UCX_SHM_FIFO
 
 __all__ = [
     "METADATA_MAGIC",
@@ -36,13 +40,14 @@ __all__ = [
     "RegionInfo",
     "RegionKind",
     "check_layouts",
+    "check_shm_fifo",
     "decode_metadata",
     "encode_metadata",
 ]
 
 METADATA_MAGIC = b"KVBUCXMD"
-METADATA_VERSION = 2  # the newest this build writes (1 for a cache of all heads)
-METADATA_VERSIONS = (1, 2)
+METADATA_VERSION = 3  # the newest this build writes (1 or 2 with UCX's default FIFO)
+METADATA_VERSIONS = (1, 2, 3)
 MAX_METADATA = 1 << 20
 MAX_REGIONS = 8192
 MAX_FIELD = 1 << 16
@@ -52,6 +57,8 @@ _FIXED = struct.Struct("<16sQQQIIIBBBBBBQI")
 _REGION = struct.Struct("<BIQQI")
 _CHECK = struct.Struct("<Q")
 _HEAD_RANGE = struct.Struct("<II")
+_FIFO = struct.Struct("<II")
+MAX_FIFO = 1 << 20  # bound of either FIFO field
 
 
 class RegionKind(enum.IntEnum):
@@ -76,6 +83,9 @@ class AgentMetadata:
     num_pages: int
     address: bytes  # UCP worker address
     regions: tuple[RegionInfo, ...]
+    # the worker's shared-memory FIFO: (element bytes, elements); a peer
+    # writes into it with its own geometry, so the two must match
+    shm_fifo: tuple[int, int] = UCX_SHM_FIFO
 
     def cache_regions(self) -> tuple[RegionInfo, ...]:
         return tuple(r for r in self.regions if r.kind is RegionKind.CACHE)
@@ -115,9 +125,14 @@ def encode_metadata(md: AgentMetadata) -> bytes:
             lay.page_tokens,
         )
     )
-    version = 1 if lay.holds_all_heads else 2
-    if version == 2:
+    fifo = tuple(md.shm_fifo)
+    # version 3 only for a FIFO other than UCX's default: peers that read
+    # versions 1 and 2 only still connect to an agent configured with it
+    version = 3 if fifo != UCX_SHM_FIFO else (1 if lay.holds_all_heads else 2)
+    if version >= 2:
         body += _HEAD_RANGE.pack(lay.head_start, lay.total_kv_heads)
+    if version == 3:
+        body += _FIFO.pack(*fifo)
     body += struct.pack("<I", len(md.address)) + md.address
     body += struct.pack("<I", len(md.regions))
     for r in md.regions:
@@ -137,7 +152,7 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
     if magic != METADATA_MAGIC:
         raise RemoteProtocolError("not kvbridge UCX metadata (bad magic)")
     if version not in METADATA_VERSIONS:
-        raise VersionMismatch(f"UCX metadata version {version}, this build reads 1 and 2")
+        raise VersionMismatch(f"UCX metadata version {version}, this build reads 1 to 3")
     if _HEAD.size + body_len + _CHECK.size != len(data):
         raise RemoteProtocolError("UCX metadata length does not match its header")
     (check,) = _CHECK.unpack_from(data, len(data) - _CHECK.size)
@@ -163,7 +178,12 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
     ) = r.unpack(_FIXED)
     if stacked > 1 or mla > 1:
         raise RemoteProtocolError(f"UCX metadata has stacked={stacked}, mla={mla} (0 or 1)")
-    head_start, model_heads = r.unpack(_HEAD_RANGE) if version == 2 else (0, None)
+    head_start, model_heads = r.unpack(_HEAD_RANGE) if version >= 2 else (0, None)
+    fifo = UCX_SHM_FIFO
+    if version == 3:
+        fifo = r.unpack(_FIFO)
+        if not all(0 < v <= MAX_FIFO for v in fifo):
+            raise RemoteProtocolError(f"UCX metadata names a shared-memory FIFO of {fifo}")
     try:
         layout = KVLayout(
             num_layers=layers,
@@ -195,7 +215,9 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
         regions.append(RegionInfo(RegionKind(kind), layer, base, length, r.take(klen)))
     if r.pos != r.end:
         raise RemoteProtocolError("UCX metadata has trailing bytes")
-    md = AgentMetadata(agent_id, epoch, layout, num_pages, address, tuple(regions))
+    md = AgentMetadata(
+        agent_id, epoch, layout, num_pages, address, tuple(regions), (int(fifo[0]), int(fifo[1]))
+    )
     expected = 1 if layout.stacked else layout.num_layers
     if len(md.cache_regions()) != expected:
         raise RemoteProtocolError(
@@ -215,6 +237,19 @@ def check_layouts(local: KVLayout, remote: KVLayout) -> bool:
     if MemoryOrder.STRIDED in (local.order, remote.order):
         return False  # an engine's own strides: the put path's page runs assume dense pages
     return local.exact_hash == remote.exact_hash
+
+
+def check_shm_fifo(local: tuple[int, int], remote: tuple[int, int]) -> None:
+    """Raise IncompatiblePeer unless the peer's shared-memory FIFO is ours:
+    UCX writes a message into the peer's FIFO with its own element size and
+    count, so a difference would write into the wrong places there."""
+    if tuple(local) != tuple(remote):
+        raise IncompatiblePeer(
+            f"the peer's UCX shared-memory FIFO is {remote[1]} elements of {remote[0]} bytes, "
+            f"ours {local[1]} of {local[0]}: set UCX_MM_FIFO_ELEM_SIZE and UCX_MM_FIFO_SIZE "
+            "alike on both (a peer whose metadata is of version 1 or 2 runs UCX's defaults, "
+            f"{UCX_SHM_FIFO[0]} and {UCX_SHM_FIFO[1]})"
+        )
 
 
 def _digest(data: bytes) -> int:
