@@ -3,6 +3,7 @@ metadata and control-message codecs emit and parse."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def test_metadata_vector() -> None:
     (vector,) = _block("ucx-metadata")
     assert encode_metadata(md) == vector
     assert decode_metadata(vector) == md
+    # the same agent with kvbridge's default shared-memory FIFO: version 3
+    md3 = dataclasses.replace(md, shm_fifo=(256, 256))
+    (vector3,) = _block("ucx-metadata-v3")
+    assert encode_metadata(md3) == vector3
+    assert decode_metadata(vector3) == md3
 
 
 def test_control_message_vectors() -> None:
