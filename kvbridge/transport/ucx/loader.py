@@ -45,9 +45,10 @@ DEFAULT_UCX_CONFIG = {
     # messages (page faults) and reads from another cache line after.  4
     # KiB puts over `tcp,sm` on a 2-core x86 VM, the prepared send: 5.8-6.1
     # -> 3.9-4.1 us a leg in 25-leg bursts, 4.3 -> 4.0 in 400-leg bursts
-    # (docs/ucx.md, "A DONE inside one shared-memory FIFO element").  UCX writes into a
-    # peer's FIFO with its own geometry, so both peers must agree: the
-    # metadata carries it (``shm_fifo``) and a peer whose differs is refused.
+    # (docs/ucx.md, "A DONE inside one shared-memory FIFO element").  UCX
+    # writes into a peer's FIFO with its own geometry, so both peers must
+    # agree: the metadata carries it (``shm_fifo``) and a peer whose FIFO
+    # differs is refused.
     "MM_FIFO_ELEM_SIZE": "256",
 }
 
