@@ -94,11 +94,13 @@ class Hellos:
 
     def on_hello(self, m: Message) -> None:
         host = self._host
-        fifo_ok = True
         try:
             md = decode_metadata(m.blob)
-            fifo_ok = md.shm_fifo == host.shm_fifo
-            check_shm_fifo(host.shm_fifo, md.shm_fifo)
+            if md.shm_fifo != host.shm_fifo:
+                # no answer: an endpoint to a peer whose shared-memory FIFO
+                # differs from ours would write its HELLO_NACK into the wrong
+                # places there (a peer that checks our metadata never gets here)
+                return
             if md.agent_id != m.sender:
                 raise RemoteProtocolError("hello sender does not match its metadata")
             if m.code != host.epoch:
@@ -107,11 +109,7 @@ class Hellos:
                 )
             same = check_layouts(host.layout, md.layout)
         except KVBridgeError as e:
-            if fifo_ok:
-                self._refuse(m, e)
-            # else no answer: an endpoint to a peer whose shared-memory FIFO
-            # differs from ours would write its HELLO_NACK into the wrong
-            # places there (a peer that checks our metadata never gets here)
+            self._refuse(m, e)
             return
         old = host.known_peer(md.agent_id)
         if old is not None and old.error is None and old.metadata.epoch == md.epoch:
