@@ -179,7 +179,11 @@ def test_small_transfers_behind_a_busy_connection_wait_for_the_scheduler() -> No
 
     async def main() -> None:
         rx, tx = await _pair(chunk_size=256 * KiB, scheduler="fifo")
-        big = os.urandom(8 << 20)
+        # more than the kernel takes in without a read (a 4 MiB send buffer
+        # and up to 32 MiB of receive buffer on loopback): with 8 MiB, 2 of 15
+        # runs on a 2-core AMD EPYC VM had no chunk left waiting by the time
+        # the small transfer began, so it rightly went at once
+        big = os.urandom(64 << 20)
         hb = rx.expect("big", OnceSink(len(big)))
         sb = tx.send("big", BytesSource(big), token=hb.token)
         while sb.acked_bytes < 256 * KiB:
