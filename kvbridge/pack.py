@@ -30,7 +30,7 @@ functions; ``plumbing``: argument checks and the compiled core).
 from __future__ import annotations
 
 from ._pack.cache import ComponentStrides, PagedKVCache
-from ._pack.plumbing import BUILT_WITH_CUDA, HAS_CORE, cuda_available
+from ._pack.plumbing import BUILT_WITH_CUDA, HAS_CORE, aligned_empty, cuda_available
 from ._pack.range import KVRange, pack, unpack, wire_nbytes, xxh3_64
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "ComponentStrides",
     "KVRange",
     "PagedKVCache",
+    "aligned_empty",
     "cuda_available",
     "pack",
     "unpack",

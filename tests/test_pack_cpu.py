@@ -242,3 +242,35 @@ def test_concurrent_callers_share_the_thread_pool() -> None:
 
     with ThreadPoolExecutor(max_workers=3) as ex:
         assert all(ex.map(job, range(6)))
+
+
+def test_aligned_empty_starts_at_a_line_and_allocate_uses_it() -> None:
+    """kvbridge's own host buffers start at a cache line (numpy's large ones
+    start 16 bytes past one), and a pack into one equals a pack into any."""
+    from kvbridge.errors import InvalidArgument
+    from kvbridge.layout import DType
+    from kvbridge.pack import aligned_empty
+
+    assert aligned_empty(0).shape == (0,)
+    for n in (1, 4095, 1 << 20):
+        for align in (64, 4096):
+            b = aligned_empty(n, align)
+            assert b.dtype == np.uint8 and b.shape == (n,) and b.ctypes.data % align == 0
+    z = aligned_empty(1 << 20, zeroed=True)
+    assert z.ctypes.data % 64 == 0 and not z.any()
+    with pytest.raises(InvalidArgument, match="power of two"):
+        aligned_empty(10, 48)
+    with pytest.raises(InvalidArgument, match=">= 0"):
+        aligned_empty(-1)
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=DType.BF16, page_tokens=16)
+    for backend in ("numpy", "torch"):
+        for fill in (None, 7, "random"):
+            cache = PagedKVCache.allocate(lay, 8, backend=backend, fill=fill, seed=1)
+            assert all(a % 64 == 0 for a, _ in cache.memory_spans())
+        rng = cache.range(np.array([5, 2, 7], np.int32), 3, 40)
+        want = np.asarray(rng.pack())  # into kvbridge's own buffer
+        assert want.ctypes.data % 64 == 0
+        odd = np.empty(rng.nbytes + 16, np.uint8)[16:]  # 16 bytes past a line at best
+        rng.pack(odd)
+        assert bytes(odd) == bytes(want)
+    assert not PagedKVCache.allocate(lay, 4, fill=None).layer_views()[0].any()

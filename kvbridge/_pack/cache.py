@@ -28,6 +28,7 @@ from .plumbing import (
     _core,
     _data_ptr,
     _is_tensor,
+    aligned_empty,
 )
 
 if TYPE_CHECKING:
@@ -365,13 +366,13 @@ class PagedKVCache:
         arrays: list[Any] = []
         for shape in shapes:
             nbytes = int(np.prod(shape)) * layout.itemsize
-            if fill is None:
-                raw = np.zeros(nbytes, dtype=np.uint8)
-            elif fill == "random":
-                raw = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+            # aligned as an engine's cache is (torch's allocator: 64 bytes)
+            raw = aligned_empty(nbytes, zeroed=fill is None)
+            if fill == "random":
+                raw[:] = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
             elif isinstance(fill, int) and 0 <= fill <= 255:
-                raw = np.full(nbytes, fill, dtype=np.uint8)
-            else:
+                raw[:] = fill
+            elif fill is not None:
                 raise InvalidArgument(f"fill must be None, a byte value or 'random', got {fill!r}")
             if backend == "numpy":
                 if device != "cpu":

@@ -170,6 +170,17 @@ class Setup:
     torch_unpack: Callable[[], Any]
 
 
+def _wire_buffers(nbytes: int, seed: int) -> tuple[Any, Any]:
+    """The wire buffer the pack writes (and memcpy too) and the random bytes
+    the unpack reads (and the 1-thread memcpy copies), each starting at a
+    cache line as kvbridge's own wire buffers do (``aligned_empty``)."""
+    from ..pack import aligned_empty
+
+    src = aligned_empty(nbytes)
+    src[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return aligned_empty(nbytes), src
+
+
 def _setup_native(case: Case, wire_mib: float, seed: int) -> Setup:
     import torch
 
@@ -185,8 +196,7 @@ def _setup_native(case: Case, wire_mib: float, seed: int) -> Setup:
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randperm(pool, generator=gen)[:pages]
     bt = idx.numpy().astype(np.int32)
-    wire = np.empty(lay.wire_nbytes(tokens), np.uint8)
-    src = np.random.default_rng(seed).integers(0, 256, wire.nbytes, dtype=np.uint8)
+    wire, src = _wire_buffers(lay.wire_nbytes(tokens), seed)
     # The engine's torch code: per layer and per K/V, whole pages.
     comps = lay.num_components
     page_elems = case.page_bytes // lay.itemsize
@@ -233,8 +243,7 @@ def _setup_vllm(case: Case, wire_mib: float, seed: int) -> Setup:
     idx = torch.randperm(pool, generator=gen)[:blocks]
     bt = idx.numpy().astype(np.int32)
     tokens = blocks * bs
-    wire = np.empty(cache.layout.wire_nbytes(tokens), np.uint8)
-    src = np.random.default_rng(seed).integers(0, 256, wire.nbytes, dtype=np.uint8)
+    wire, src = _wire_buffers(cache.layout.wire_nbytes(tokens), seed)
     wire_t = torch.from_numpy(wire).view(torch.bfloat16).view(L, 2, blocks, bs, H, D)
 
     # The engine's torch code: gather the blocks, then one permuting copy into

@@ -295,7 +295,7 @@ class KVSource(_KVBase):
         XXH3-64, from the pack core's one pass."""
         _check(offset, n, self.nbytes)
         self._wait_ready(offset, n)
-        out = np.empty(n, dtype=np.uint8)
+        out = self._pack.aligned_empty(n)
         _, digest = self.range.pack(
             out, offset=offset, nbytes=n, checksum=True, num_threads=self.num_threads
         )
@@ -312,7 +312,7 @@ class KVSource(_KVBase):
             self._pack_to(stage, offset, n)
             torch.cuda.current_stream(torch.device(self.cache.device)).synchronize()
             return stage.numpy().data  # the array keeps the pinned tensor alive
-        out = np.empty(n, dtype=np.uint8)
+        out: np.ndarray[Any, np.dtype[np.uint8]] = self._pack.aligned_empty(n)
         self._pack_to(out, offset, n)
         return out.data
 
