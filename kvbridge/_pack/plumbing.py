@@ -243,10 +243,11 @@ def aligned_empty(
     numpy's own buffers start where ``malloc`` puts them, 16 bytes past a
     4 KiB page for large ones, so a pack into one writes each cache line in
     two parts and with 16-byte stores.  Measured on a 2-core AMD EPYC VM
-    (two threads, 64 MiB, huge pages, rounds interleaved): a pack of random
-    16 KiB pages 19.5 GB/s into a buffer at 16 bytes past a line against
-    23.2 at a line's start, vLLM LBHNC 16-token blocks 22.3 against 24.3
-    (docs/pack.md).  The array keeps the larger allocation alive."""
+    (``bench/bench_pack_alignment.py``; two threads, 64 MiB, huge pages,
+    rounds interleaved): vLLM LBHNC 16-token blocks 17.1-17.2 GB/s into a
+    buffer at 16 bytes past a line against 18.9-20.0 from a line's start,
+    random 16 KiB pages 18.1-20.8 against 21.3-24.5 (docs/pack.md).  The
+    array keeps the larger allocation alive."""
     nbytes = operator.index(nbytes)
     if nbytes < 0:
         raise InvalidArgument(f"nbytes must be >= 0, got {nbytes}")
