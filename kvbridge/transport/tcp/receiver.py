@@ -405,7 +405,9 @@ class TcpReceiver:
         if len(st.transfers) - len(st.done) >= self.limits.max_transfers_per_connection:
             conn.send(Abort(m.transfer_id, ErrorCode.RESOURCE_LIMIT, "too many open transfers"))
             return
-        outs = t.on_open(conn, m, st.ranged, self._now())
+        # the sender: its authenticated identity and the OPEN's source id (5.1)
+        source = (st.peer.identity, m.source or None)
+        outs = t.on_open(conn, m, st.ranged, self._now(), source)
         att = t.attached.get(conn)
         if att is not None and att.transfer_id == m.transfer_id:
             st.transfers[m.transfer_id] = t

@@ -51,6 +51,7 @@ from ...wire.frames import (
     DATA_CHECK_SIZE,
     DATA_HEADER_SIZE,
     DEFAULT_MAX_FRAME,
+    SOURCE_SIZE,
     TOKEN_SIZE,
     Abort,
     Ack,
@@ -204,6 +205,9 @@ class TcpSender:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._control: dict[int, Callable[[FrameConnection, int, bytes], None]] = {}
         self.stats = self._links.stats  # connects, reconnects, connection_losses
+        # named in every OPEN: the receiver binds a transfer to the sender
+        # whose OPEN it took first and refuses another live one (docs/protocol.md 5.1)
+        self.source_id = os.urandom(SOURCE_SIZE)
 
     def _handshake(self) -> ClientHandshake:
         return ClientHandshake(
@@ -313,6 +317,7 @@ class TcpSender:
             ready_bytes=None if ready is None else int(ready),
             planned_chunk=self.chunk_size,
             link_clock=_clock_of,
+            source_id=self.source_id,
         )
         handle._transfer = t
         holder.append(t)
