@@ -31,6 +31,7 @@ from ..handoff.policy import HandoffPolicy
 from ..handoff.sampling import sample
 from ..pdd.aio import collect_stream, make_core, run_main, run_relay
 from ..pdd.budget import RelayBudget
+from ..pdd.core import PddCore
 from .network import LinkModel, MemoryChannel, MemoryNetwork
 
 __all__ = ["Scenario", "ScenarioResult", "decode_alone", "run_scenario"]
@@ -137,9 +138,11 @@ def decode_alone(
 
 
 async def run_scenario(
-    sc: Scenario, prefill: Engine, relay: Engine, main: Engine
+    sc: Scenario, prefill: Engine, relay: Engine, main: Engine, core: PddCore | None = None
 ) -> ScenarioResult:
-    """Run one request end to end; every role's error is caught and reported."""
+    """Run one request end to end; every role's error is caught and reported.
+    ``core``: one PDD core for the three roles (its log records them all),
+    else one of the scenario's policy for each."""
     rid = sc.request_id
     spec = prefill_request(prefill, rid, list(sc.prompt), sc.params)
     read = getattr(prefill, "read_kv")  # noqa: B009
@@ -182,7 +185,11 @@ async def run_scenario(
                 guard(
                     "client",
                     collect_stream(
-                        cn, rid, gap_timeout=sc.gap_timeout, idle_timeout=sc.idle_timeout
+                        cn,
+                        rid,
+                        core=core,
+                        gap_timeout=sc.gap_timeout,
+                        idle_timeout=sc.idle_timeout,
                     ),
                 ),
                 guard(
@@ -194,7 +201,8 @@ async def run_scenario(
                         _loader(wire, sc.relay_kv_delay),
                         main="main",
                         client="client",
-                        core=make_core(sc.policy, sc.budget, sc.timeouts, relay_load=sc.relay_load),
+                        core=core
+                        or make_core(sc.policy, sc.budget, sc.timeouts, relay_load=sc.relay_load),
                         pace=sc.relay_pace,
                     ),
                 ),
@@ -210,6 +218,7 @@ async def run_scenario(
                             _loader(wire, sc.main_kv_delay, after),
                             relay="relay",
                             client="client",
+                            core=core,
                             timeouts=sc.timeouts,
                             pace=sc.main_pace,
                         ),
