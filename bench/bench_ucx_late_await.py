@@ -40,10 +40,10 @@ def _side(conn: Any, role: int, tls: str, tree: str | None, samples: int) -> Non
     os.environ["UCX_TLS"] = tls
     import numpy as np
 
-    from kvbridge.cli import latency_peers as lp
+    from kvbridge_bench.cli import latency_peers as lp
 
     if tree:  # the baseline's kvbridge, not this one
-        lp = lp.import_from_tree(tree, "kvbridge.cli.latency_peers")
+        lp = lp.import_from_tree(tree, "kvbridge_bench.cli.latency_peers")
     from kvbridge.transport.tcp import run
 
     lay = lp.page_layout(4096)

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.cli.pack import (
+from kvbridge.layout import KVLayout
+from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
+from kvbridge.testing.pack_ref import ref_pack
+from kvbridge_bench.cli.pack import (
     SMOLLM2,
     Case,
     format_checksum_table,
@@ -20,9 +23,6 @@ from kvbridge.cli.pack import (
     measure,
     measure_checksum,
 )
-from kvbridge.layout import KVLayout
-from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
-from kvbridge.testing.pack_ref import ref_pack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
 
@@ -122,7 +122,7 @@ def test_ratio_table_row() -> None:
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from kvbridge.cli.main import main
+    from kvbridge_bench.cli.main import main
 
     argv = ["pack", "--quick", "--json", "--mib", "0.25", "--reps", "1", "--warmup", "0"]
     assert main(argv) == 0

@@ -14,10 +14,10 @@ import pytest
 
 pytest.importorskip("kvbridge._core")
 
-from kvbridge.cli.demo import _ucx_ok
-from kvbridge.demo.config import DemoConfig
-from kvbridge.demo.driver import run_demo
 from kvbridge.transport.tcp import run
+from kvbridge_bench.cli.demo import _ucx_ok
+from kvbridge_bench.demo.config import DemoConfig
+from kvbridge_bench.demo.driver import run_demo
 
 
 @pytest.mark.slow

@@ -20,9 +20,9 @@ from kvbridge.handoff import (
     SamplingParams,
 )
 from kvbridge.handoff.driver import Pace
-from kvbridge.reference import DecoderConfig, ReferenceDecoder
-from kvbridge.sim.handoff_scenario import Scenario, ScenarioResult, decode_alone, run_scenario
-from kvbridge.sim.network import LinkModel
+from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
+from kvbridge_bench.sim.handoff_scenario import Scenario, ScenarioResult, decode_alone, run_scenario
+from kvbridge_bench.sim.network import LinkModel
 
 CFG = DecoderConfig(
     num_layers=2,
@@ -244,7 +244,7 @@ def test_relay_dies_main_continues(after: int, decoders: tuple[ReferenceDecoder,
 def test_p_md_pipeline_without_relay(decoders: tuple[ReferenceDecoder, ...]) -> None:
     from kvbridge.handoff.driver import collect_stream, prefill_request, run_main
     from kvbridge.handoff.node import HandoffNode
-    from kvbridge.sim.network import MemoryNetwork
+    from kvbridge_bench.sim.network import MemoryNetwork
 
     p, _, m = decoders
     params = SamplingParams(max_new_tokens=25, temperature=1.0, seed=5)
