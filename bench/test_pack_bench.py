@@ -119,14 +119,15 @@ def test_ratio_table_row() -> None:
     assert "tiny vLLM" in format_checksum_table([check])
 
 
-def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json(capfd: pytest.CaptureFixture[str]) -> None:
+    """stdout: the JSON alone (the file descriptor, so capfd)."""
     import json
 
     from kvbridge_bench.cli.main import main
 
     argv = ["pack", "--quick", "--json", "--mib", "0.25", "--reps", "1", "--warmup", "0"]
     assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capfd.readouterr().out)
     rows = out["rows"]
     assert [r["case"] for r in rows][:3] == [
         "Llama-3-8B fp16",

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 from pathlib import Path
 
 from ..demo.config import DemoConfig
+from .output import emit_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,9 +111,7 @@ def run(args: argparse.Namespace) -> int:
     for kind, path in result.paths.items():
         print(f"wrote {kind}: {path}")
     if args.json:
-        print(
-            json.dumps({"ratios": ratios, "aggregates": [a.as_dict() for a in result.aggregates]})
-        )
+        emit_json({"ratios": ratios, "aggregates": [a.as_dict() for a in result.aggregates]})
     if not result.ok:
         print("FAILED: some requests did not complete or their streams were wrong")
         return 1

@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
+
+from .output import emit_json
 
 N_TOKENS = 100
 
@@ -306,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             parse_rate(rate), parse_time(rtt) * 1e3, parse_fraction(loss), args.runs
         )
     if args.json:
-        print(json.dumps(result, indent=2))
+        emit_json(result, indent=2)
     else:
         _print(result)
         if "real_wan" in result:

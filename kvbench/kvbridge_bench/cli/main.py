@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from .output import json_stdout, wants_json
+
 # name -> one-line help.  Modules are imported only when their command runs.
 COMMANDS: dict[str, str] = {
     "pack": "pack/unpack bandwidth for real KV layouts vs memcpy and torch",
@@ -40,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if wants_json(args):  # stdout: the JSON alone; the rest to stderr
+            with json_stdout():
+                return int(args._run(args) or 0)
         return int(args._run(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -23,7 +23,6 @@ mean kvbridge is faster.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -35,6 +34,8 @@ import numpy as np
 
 from kvbridge.errors import KVBridgeError, LayoutError, Unavailable
 from kvbridge.layout import DType, KVLayout
+
+from .output import emit_json
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -502,7 +503,7 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(f"{case.name} checksum")
             checks.append(measure_checksum(case, mib, reps, args.warmup, lambda: bar.update(1)))
     if args.json:
-        print(json.dumps({"rows": rows, "checksum": checks}, indent=2))
+        emit_json({"rows": rows, "checksum": checks}, indent=2)
     else:
         print(format_table(rows))
         if checks:

@@ -19,6 +19,7 @@ from kvbridge.router import RouterConfig
 from ..sim.prefix_bench import run_prefix_bench
 from ..sim.trace import AgentTraceConfig, generate_agent_trace, hit_stats
 from ..sim.trace_format import load_jsonl
+from .output import emit_json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wan-gbps", type=float, default=10.0, help="true WAN bandwidth")
     p.add_argument("--ttft-target", type=float, default=2.0, help="seconds")
     p.add_argument("--anomalous-filter", action="store_true")
-    p.add_argument("--json", help="write every figure to this JSON file")
+    p.add_argument(
+        "--json", help="write every figure to this JSON file (-: to stdout, the tables to stderr)"
+    )
     p.add_argument("--skip-lookup-bench", action="store_true")
 
 
@@ -77,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     out["runs"] = runs
     if not args.skip_lookup_bench:
         out["lookup"] = _lookup_bench(args.page_tokens)
-    if args.json:
+    if args.json == "-":
+        emit_json(out, indent=2)
+    elif args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2)
         print(f"\nwrote {args.json}")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from kvbridge.transport.tcp import run as run_loop
 from . import transfer_bench as bm
 from . import transfer_peers as tp
 from .compare import spinning_core
+from .output import emit_json
 
 MiB = 1 << 20
 
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "serve":
 
         def ready(info: dict[str, Any]) -> None:
-            print(json.dumps(info), flush=True)
+            emit_json(info)
 
         with contextlib.suppress(KeyboardInterrupt):
             run_loop(bm.serve(args.host, args.port, args.raw_port, ready=ready, psk=psk))
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         with spinning_core(load == "busy"):
             results[load] = _one_load(args, psk, load)
     if args.json:
-        print(json.dumps(results))
+        emit_json(results)
     return exit_code([r for load in loads for r in results[load].get("mooncake", [])])
 
 
@@ -194,7 +194,7 @@ def _vs_mooncake(args: argparse.Namespace, load: str) -> list[dict[str, Any]]:
     libs = [x for x in args.libs.split(",") if x]
     why = compare_peers.mooncake_unusable() if "mooncake" in libs else None
     if why is not None:
-        print(f"missing: mooncake, {why}; skipped")
+        print(f"missing: mooncake, {why}; skipped", file=sys.stderr)
         libs.remove("mooncake")
     scens = scenarios(
         types.SimpleNamespace(

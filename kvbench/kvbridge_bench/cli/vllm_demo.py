@@ -26,7 +26,6 @@ prefill, dominates the first token, as in the PDD design.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -38,6 +37,7 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.integrations.vllm.model import prepare_model
 
 from ..demo.report import RequestRecord, aggregate, format_tables, summarize, write_outputs
+from .output import emit_json
 from .vllm_cluster import (
     ClusterSpec,
     ServerSpec,
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     for kind, path in paths.items():
         print(f"wrote {kind}: {path}")
     if getattr(args, "json", False):
-        print(json.dumps({"ratios": ratios, "summaries": [s.as_dict() for s in summaries]}))
+        emit_json({"ratios": ratios, "summaries": [s.as_dict() for s in summaries]})
     ok = all(s.completed == s.requests and s.exact == s.requests for s in summaries)
     if not ok:
         print("FAILED: some requests did not complete or their streams were not exact")

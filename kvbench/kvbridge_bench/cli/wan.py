@@ -22,6 +22,8 @@ from typing import Any
 
 from kvbridge.errors import Unavailable
 
+from .output import emit_json
+
 DEFAULT_POINTS = "1gbit:40ms:0,1gbit:40ms:0.1%,2gbit:10ms:0"
 
 
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
             r = measure_point(rate, rtt, loss, rows, args.bytes_mib, args.repeats, t.update)
             results.append({"rate_bps": rate, "rtt_ms": rtt, "loss": loss, "rows": r})
     if args.json:
-        print(json.dumps(results))
+        emit_json(results)
         return 0
     print("chunk ~N: the default, fitted to the link (the size its last run used)")
     for pt in results:
