@@ -606,8 +606,9 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
     async def main() -> None:
         ca = np.zeros(lay.cache_shape(2), dtype=np.uint16)
         cb = np.zeros(lay.cache_shape(2), dtype=np.uint16)
-        a = UcxAgent(lay, ca, staging_bytes=0, min_put_run_bytes=0)
-        b = UcxAgent(lay, cb, staging_bytes=0, min_put_run_bytes=0)
+        key = b"kvbridge bench pair"
+        a = UcxAgent(lay, ca, staging_bytes=0, min_put_run_bytes=0, psk=key)
+        b = UcxAgent(lay, cb, staging_bytes=0, min_put_run_bytes=0, psk=key)
         peer = await a.connect(b.metadata())
         bt = np.array([0], dtype=np.int64)
         for i in range(100):

@@ -125,7 +125,10 @@ async def _ucx_pair(conn: Any, role: int, lay: Any, opts: dict[str, Any], fill: 
     cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
     if fill:
         cache[:, 1] = role + 1
-    agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
+    # the pair shares a key: UCX agents take only authenticated peers
+    agent = UcxAgent(
+        lay, cache, staging_bytes=0, min_put_run_bytes=0, psk=b"kvbridge bench pair", **opts
+    )
     conn.send(("info", agent.metadata()))
     other = conn.recv()
     peer = await agent.connect(other) if role == 0 else None

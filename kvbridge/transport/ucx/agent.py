@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -35,6 +35,7 @@ from ...errors import (
     PeerGone,
     TransferTimeout,
     Unavailable,
+    VersionMismatch,
     code_for_error,
     error_for_code,
     ucs_error,
@@ -43,10 +44,11 @@ from ...layout import KVLayout, MemoryOrder
 from ..deadlines import Deadlines
 from .expect import Expect, Expectations
 from .handle import TransferHandle
-from .hello import Hellos
+from .hello import Hellos, new_tag
 from .loader import DEFAULT_UCX_CONFIG, load, shm_fifo, unavailable_reason
 from .messages import (
     MAX_HELLO_BLOB,
+    MAX_IDENTITY,
     MAX_RID,
     Kind,
     Message,
@@ -63,7 +65,18 @@ from .regions import Registration, map_engine_error
 from .runs import CacheGeometry, as_table, check_table, plan_args
 from .staging import Staging
 
-__all__ = ["UcxAgent"]
+__all__ = ["COUNTERS", "UcxAgent"]
+
+# What stats() counts: messages dropped, parts refused, HELLOs refused.
+COUNTERS = (
+    "dropped_unknown_sender",  # a message under a tag we never issued (or revoked)
+    "dropped_malformed",  # a message that does not decode (bad magic, lengths, kind)
+    "dropped_version",  # a message of another version
+    "done_wrong_pages",  # a DONE naming other pages than the expectation's
+    "done_wrong_peer",  # a part from another peer than the expectation's
+    "early_dropped",  # a part before its expect, over the peer's or the agent's bound
+    "hello_refused",  # a HELLO refused (authentication, layout, stale, malformed)
+)
 
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
 _TINY = 2  # put_range: the runs are too short, nothing was posted
@@ -90,7 +103,7 @@ class _EngineLedger:
             return
         sender = ex.peer.agent_id if ex.peer is not None else b""
         self._engine.expect(
-            ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender
+            ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender, ex.pages
         )
 
     def unregister(self, ex: Expect) -> None:
@@ -129,6 +142,9 @@ class UcxAgent:
         poll_yield_us: int = 0,
         config: dict[str, str] | None = None,
         packer: Any = None,
+        psk: bytes | Mapping[str, bytes] | None = None,
+        identity: str = "",
+        allow_unauthenticated: bool = False,
     ) -> None:
         mod = load()
         if mod is None:
@@ -153,6 +169,12 @@ class UcxAgent:
         if not 0 <= poll_yield_us <= 1_000_000:
             raise InvalidArgument("poll_yield_us must be in [0, 1e6]")
         self.poll_yield_us = int(poll_yield_us)
+        if psk is not None and not isinstance(psk, (bytes, Mapping)):
+            raise InvalidArgument("psk must be bytes or a mapping identity -> bytes")
+        if len(identity.encode()) > MAX_IDENTITY:
+            raise InvalidArgument(f"identity longer than {MAX_IDENTITY} bytes of UTF-8")
+        self._psk = psk
+        self._allow_unauthenticated = bool(allow_unauthenticated)
         self.progress_mode = progress
         self.busy_poll_us = int(busy_poll_us)
         self.heartbeat = float(heartbeat)
@@ -175,6 +197,7 @@ class UcxAgent:
         self.num_pages = reg.num_pages
         self.geometry = CacheGeometry(layout, reg.num_pages)
         self.agent_id = os.urandom(16)
+        self.identity = identity or self.agent_id.hex()
         self.epoch = time.time_ns()
         self._engine.set_agent_id(self.agent_id)  # the sender of its DONE messages
         self._engine.set_put_window(self.put_window)
@@ -211,12 +234,15 @@ class UcxAgent:
             self.staging.start_recv,
             _EngineLedger(self._engine, layout.head_range),
             layout.head_range,
+            self._count,
         )
         self._next_token = 1
         self._in_events = False
         self._hellos = Hellos(self)
         self._peers: dict[bytes, UcxPeer] = {}
         self._by_ep: dict[int, UcxPeer] = {}
+        self._by_tag: dict[bytes, UcxPeer] = {}  # the tags we issued -> their peers
+        self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._ops: dict[int, _OpEntry] = {}
         self._progress: Progress | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
@@ -248,12 +274,16 @@ class UcxAgent:
         except KeyError:
             raise InvalidArgument(f"no connected peer {key.hex()}") from None
 
-    async def connect(self, remote_metadata: bytes, *, timeout: float | None = None) -> UcxPeer:
+    async def connect(
+        self, remote_metadata: bytes, *, timeout: float | None = None, psk: bytes | None = None
+    ) -> UcxPeer:
         """Connect to the agent described by ``remote_metadata``; checks that
         the blob is intact and current (a hello answered by that very agent
-        incarnation) and that the layouts fit.  Returns the peer."""
+        incarnation), that the layouts fit and, with a key (``psk``, else
+        the agent's own for its identity), that the peer proves it holds
+        it.  Returns the peer."""
         self._loop_now()
-        return await self._hellos.connect(remote_metadata, timeout)
+        return await self._hellos.connect(remote_metadata, timeout, psk)
 
     def expect(
         self,
@@ -293,10 +323,16 @@ class UcxAgent:
             total = (l1 - l0) * (end - start) * self.token_bytes
         else:
             total = lay.wire_nbytes(end - start, (l0, l1), hr)
+        pages = 0
+        if hr == lay.head_range and start < end:  # a put may complete it: the pages it names
+            try:
+                pages = self._mod.pages_digest(bt, start, end, lay.page_tokens)
+            except (IndexError, ValueError) as e:
+                raise PageIndexError(str(e)) from None
         h = self.new_handle(rid, "recv", total, timeout or self.timeout)
         token = self._next_token
         self._next_token = token + 1
-        ex = Expect(h, bt, start, end, l0, l1, peer, token, hr)
+        ex = Expect(h, bt, start, end, l0, l1, peer, token, hr, pages)
         h.owner = ex
         if heads is None or hr == lay.head_range:  # in the engine's table: a put completes it
             h.token = token
@@ -338,10 +374,13 @@ class UcxAgent:
             return
         if self._loop is not None:
             for p in self.peers:
-                self.post_message(p, Message(Kind.BYE, self.agent_id))
+                self._post(p, Message(Kind.BYE, self.agent_id))
         closing = Cancelled("the UCX agent closed")
         for p in self.peers:
             p.gone(closing)
+        self._peers.clear()
+        self._by_ep.clear()
+        self._by_tag.clear()
         self.expectations.fail_all(closing)
         self._hellos.fail_all(closing)
         await self.staging.close()
@@ -358,6 +397,10 @@ class UcxAgent:
                 entry(-16)  # UCS_ERR_CANCELED
         self._ops.clear()
         self._engine.close()  # flushes what is posted (the BYEs), then closes
+
+    def stats(self) -> dict[str, int]:
+        """What this agent dropped or refused, by reason (``COUNTERS``)."""
+        return dict(self._counts)
 
     async def __aenter__(self) -> UcxAgent:
         self._loop_now()
@@ -387,31 +430,60 @@ class UcxAgent:
     def known_peer(self, agent_id: bytes) -> UcxPeer | None:
         return self._peers.get(agent_id)
 
-    def make_peer(self, md: AgentMetadata, same_layout: bool) -> UcxPeer:
+    def _make_peer(self, md: AgentMetadata, same_layout: bool, *, listed: bool = True) -> UcxPeer:
+        """An endpoint to ``md``'s address and the tag we issue to it (what
+        it writes as the sender of every message to us); ``listed``: a peer
+        (else a temporary endpoint, for a HELLO_NACK)."""
         regions = [(r.base, r.length, r.rkey) for r in md.regions]
         try:
             ep = self._engine.connect(md.address, regions, self.error_mode == "peer")
         except Exception as e:
             raise map_engine_error(e, "UCX connect") from None
         peer = UcxPeer(self, md, ep, same_layout)
-        self._peers[md.agent_id] = peer
-        self._by_ep[ep] = peer
-        self._engine.add_peer(md.agent_id)  # its DONE messages may land in C++
+        peer.rx_tag = new_tag()
+        if listed:
+            self._peers[md.agent_id] = peer
+            self._by_ep[ep] = peer
+            self._by_tag[peer.rx_tag] = peer
+            self._engine.add_peer(peer.rx_tag, md.agent_id)  # its DONEs may land in C++
         self._kick()
         return peer
 
-    def forget(self, peer: UcxPeer) -> None:
-        """Drop a peer and release its endpoint."""
+    def _bind(self, peer: UcxPeer, tx_tag: bytes, identity: str, authenticated: bool) -> None:
+        """The HELLO exchange gave ``peer``'s tag for us: what we write as
+        the sender of every message to it."""
+        peer.tx_tag = tx_tag
+        peer.identity = identity
+        peer.authenticated = authenticated
+        if not self._closed:
+            self._engine.set_ep_tag(peer.ep, tx_tag)
+
+    def _psk_key(self, identity: str) -> bytes | None:
+        """The key of a connection whose initiator is ``identity``."""
+        psk = self._psk
+        if psk is None or isinstance(psk, bytes):
+            return psk
+        return psk.get(identity)
+
+    def _count(self, what: str) -> None:
+        self._counts[what] += 1
+
+    def _forget(self, peer: UcxPeer) -> None:
+        """Drop a peer (from ``peers`` too) and release its endpoint; its
+        tag is revoked (a later message under it is dropped)."""
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
-        self._by_ep.pop(peer.ep, None)
-        self._engine.remove_peer(peer.agent_id)
+        if self._by_ep.pop(peer.ep, None) is None and peer.ep < 0:
+            return  # forgotten already
+        if self._by_tag.get(peer.rx_tag) is peer:
+            del self._by_tag[peer.rx_tag]
+        if peer.error is None:
+            peer.gone(PeerGone(f"peer {peer.name[:8]} was dropped"))
+        self.expectations.fail_peer(peer, peer.error or PeerGone("peer dropped"))
         if not self._closed:
+            self._engine.remove_peer(peer.rx_tag)
             self._engine.disconnect(peer.ep)
-
-    def accepted(self, peer: UcxPeer) -> None:
-        if self.on_peer is not None:
-            self.on_peer(peer)
+        peer.ep = -1
 
     async def close_peer(self, peer: UcxPeer) -> None:
         if peer.error is None and not self._closed:
@@ -421,22 +493,22 @@ class UcxAgent:
                 if not done.done():
                     done.set_result(None)
 
-            self.post_message(peer, Message(Kind.BYE, self.agent_id), on_sent=sent)
+            self._post(peer, Message(Kind.BYE, self.agent_id), on_sent=sent)
             with contextlib.suppress(asyncio.TimeoutError, KVBridgeError):
                 await asyncio.wait_for(done, 1.0)
         self._peer_gone(peer, Cancelled("peer connection closed locally"))
-        self.forget(peer)
 
-    def post_message(
-        self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
-    ) -> None:
-        """Send a control message; ``on_sent`` runs once it left (or failed)."""
-        if peer.error is not None or self._closed:
+    def _post(self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None) -> None:
+        """Send a control message under ``peer``'s tag (a HELLO, HELLO_ACK or
+        HELLO_NACK as it is); ``on_sent`` runs once it left (or failed)."""
+        hello = msg.kind <= Kind.HELLO_NACK
+        if peer.error is not None or self._closed or (not hello and not peer.tx_tag):
             if on_sent is not None:
                 on_sent()
             return
         try:
-            op, status = self._engine.send(peer.ep, encode_message(msg), on_sent is not None)
+            wire = encode_message(msg, None if hello else peer.tx_tag)
+            op, status = self._engine.send(peer.ep, wire, on_sent is not None)
         except Exception as e:
             self._peer_gone(peer, map_engine_error(e, "UCX message"))
             if on_sent is not None:
@@ -597,7 +669,7 @@ class UcxAgent:
             text=str(exc),
             blob=blob,
         )
-        self.post_message(peer, msg)
+        self._post(peer, msg)
 
     # ---- loop binding, progress, heartbeat -------------------------------------------------------
     def _loop_now(self) -> asyncio.AbstractEventLoop:
@@ -636,13 +708,15 @@ class UcxAgent:
             if now - p.last_heard > self.peer_timeout:
                 self._peer_gone(p, PeerGone(f"peer {p.name[:8]} silent for {self.peer_timeout} s"))
             else:
-                self.post_message(p, Message(Kind.PING, self.agent_id))
+                self._post(p, Message(Kind.PING, self.agent_id))
         self._hb_timer = self._loop.call_later(self.heartbeat, self._beat)
 
     def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError) -> None:
+        """``peer`` died or closed: fail what it was part of and drop it
+        (from ``peers`` too; a reconnect makes a new peer)."""
         peer.gone(exc)
-        self._engine.remove_peer(peer.agent_id)
         self.expectations.fail_peer(peer, peer.error or exc)
+        self._forget(peer)
 
     # ---- events ------------------------------------------------------------------------------------
     def _on_events(self, drained: Any = None) -> None:
@@ -682,7 +756,11 @@ class UcxAgent:
         for raw in messages:
             try:
                 m = decode_message(raw)
+            except VersionMismatch:
+                self._counts["dropped_version"] += 1
+                continue
             except KVBridgeError:
+                self._counts["dropped_malformed"] += 1
                 continue  # a malformed message from a peer is dropped
             self._dispatch(m)
 
@@ -703,15 +781,17 @@ class UcxAgent:
         if m.kind in (Kind.HELLO_ACK, Kind.HELLO_NACK):
             self._hellos.on_reply(m)
             return
-        peer = self._peers.get(m.sender)
-        if peer is None:
+        # the sender is the peer we issued the message's tag to, never an
+        # agent id a message names
+        peer = self._by_tag.get(m.sender)
+        if peer is None or not peer.tx_tag:
+            self._counts["dropped_unknown_sender"] += 1
             return  # not (or no longer) connected
         peer.last_heard = time.monotonic()
         if m.kind is Kind.PING:
             return
         if m.kind is Kind.BYE:
             self._peer_gone(peer, PeerGone(f"peer {peer.name[:8]} closed"))
-            self.forget(peer)
         elif m.kind in (Kind.DONE, Kind.STAGE_REQ):
             try:
                 if m.kind is Kind.DONE and not m.blob:
@@ -725,7 +805,7 @@ class UcxAgent:
                 return
             self.expectations.on_part(peer, m, heads)
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
-            self.staging.on_message(m)
+            self.staging.on_message(peer, m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
             peer.fail_sends(exc, m.rid)
@@ -737,4 +817,4 @@ class UcxAgent:
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))
-        self.post_message(peer, msg)
+        self._post(peer, msg)

@@ -82,7 +82,7 @@ class PeerHost(Protocol):
 
     async def close_peer(self, peer: UcxPeer) -> None: ...
 
-    def post_message(
+    def _post(
         self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
     ) -> None: ...
 
@@ -106,6 +106,11 @@ class UcxPeer:
         self.staging_index = md.staging_region()
         self._sends: dict[int, TransferHandle] = {}
         self.plan: Any = None  # the engine's RunPlan to this peer (same layout only)
+        self.rx_tag = b""  # the tag we issued to it: the sender of its messages to us
+        self.tx_tag = b""  # the tag it issued to us (HELLO exchange): empty until then
+        self.identity = ""  # the identity it named in the HELLO exchange
+        self.authenticated = False  # its proof verified against our pre-shared key
+        self.early_parts = 0  # its parts kept until their expect
 
     @property
     def layout(self) -> KVLayout:
@@ -220,7 +225,7 @@ class UcxPeer:
         exc = error if error is not None else Cancelled(f"request {rid!r} aborted by the sender")
         self.fail_sends(exc, rid)
         msg = Message(Kind.ABORT, self._host.agent_id, rid, code=code_for_error(exc), text=str(exc))
-        self._host.post_message(self, msg)
+        self._host._post(self, msg)
 
     async def close(self) -> None:
         """Say goodbye and release the endpoint."""

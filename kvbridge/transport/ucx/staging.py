@@ -48,7 +48,7 @@ class StagingHost(Protocol):
     agent_id: bytes
     timeout: float
 
-    def post_message(self, peer: UcxPeer, msg: Message) -> None: ...
+    def _post(self, peer: UcxPeer, msg: Message) -> None: ...
 
     async def put_and_wait(
         self, peer: UcxPeer, runs: np.ndarray, notify: bytes, timeout: float
@@ -155,9 +155,9 @@ class Staging:
         return task
 
     # ---- messages ---------------------------------------------------------------------
-    def on_message(self, m: Message) -> None:
-        """A STAGE_READY or STAGE_CHUNK for one of our parts."""
-        q = self._chunks.get((m.sender, m.rid, m.part))
+    def on_message(self, peer: UcxPeer, m: Message) -> None:
+        """A STAGE_READY or STAGE_CHUNK from ``peer`` for one of our parts."""
+        q = self._chunks.get((peer.agent_id, m.rid, m.part))
         if q is not None:
             q.put_nowait(m)
 
@@ -217,7 +217,7 @@ class Staging:
                 part,
                 blob=named,
             )
-            host.post_message(peer, req)
+            host._post(peer, req)
             cache = self._paged_cache()
             kw = self._head_kw(heads)
             if self._ranges:  # kvbridge.pack checks the range once
@@ -248,7 +248,9 @@ class Staging:
                 runs = np.array(
                     [[self.region_id, slot, peer.staging_index, ready.slot, n]], dtype=np.uint64
                 )
-                await host.put_and_wait(peer, runs, encode_message(chunk), host.timeout)
+                await host.put_and_wait(
+                    peer, runs, encode_message(chunk, sender=peer.tx_tag), host.timeout
+                )
                 h.stats.chunks += 1
                 h.stats.runs += 1
                 done += n
@@ -306,7 +308,7 @@ class Staging:
                     slot=slot,
                     length=self.slot_bytes,
                 )
-                host.post_message(peer, ready)
+                host._post(peer, ready)
                 chunk = await q.get()
                 if (
                     chunk.kind is not Kind.STAGE_CHUNK
