@@ -248,7 +248,7 @@ def test_peer_with_another_shared_memory_fifo_is_refused_before_an_endpoint() ->
     async def body() -> None:
         a = ucx_agent(SMALL, make_cache(SMALL, 8, None))
         b = ucx_agent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
-        assert a.shm_fifo == (256, 256) and b.shm_fifo == (128, 256)
+        assert a._shm_fifo == (256, 256) and b._shm_fifo == (128, 256)
         for x, y in ((a, b), (b, a)):
             with pytest.raises(IncompatiblePeer, match="shared-memory FIFO"):
                 await x.connect(y.metadata())
@@ -284,14 +284,15 @@ def test_metadata_over_tcp_control_connection() -> None:
 
     async def body() -> None:
         a, b, _, src, _ = await pair(SMALL, SMALL)
-        b2 = ucx_agent(SMALL, make_cache(SMALL, 16, None))
+        dst2 = make_cache(SMALL, 16, None)
+        b2 = ucx_agent(SMALL, dst2)
         server = await serve_metadata(b2, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         peer = await connect_via_tcp(a, "127.0.0.1", port)
         he = b2.expect("t", np.arange(4), 0, 30)
         await peer.send("t", np.arange(4), np.arange(4), 0, 30)
         await he
-        assert same_tokens(SMALL, src, np.arange(4), SMALL, b2.cache, np.arange(4), 0, 30)
+        assert same_tokens(SMALL, src, np.arange(4), SMALL, dst2, np.arange(4), 0, 30)
         server.close()
         await server.wait_closed()
         for x in (a, b, b2):

@@ -180,7 +180,7 @@ def test_a_receive_takes_only_its_own_request_from_the_engine() -> None:
         assert hx.stats.layers_done == SMALL.num_layers
         landed = eng.drain()[3]  # what the loop would account next: hy's DONE alone
         assert [rec[0] for rec in landed] == [hy.token], landed
-        b.expectations.on_landed(*_landed_args(b, landed[0]))
+        b._expectations.on_landed(*_landed_args(b, landed[0]))
         assert hy.settled and hy.stats.bytes == SMALL.wire_nbytes(16)
         assert eng.poll_take(0, hx.token, 0) == -1  # nothing left queued
         assert same_tokens(SMALL, src, bt_x, SMALL, dst, bt_x, 0, 16)
@@ -217,7 +217,7 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
         task = asyncio.ensure_future(waiter())
         await asyncio.sleep(0)  # the task now waits on the handle
         ex = h.owner
-        b.expectations.on_landed(ex.token, 0, None, SMALL.num_layers, True)  # resolves it
+        b._expectations.on_landed(ex.token, 0, None, SMALL.num_layers, True)  # resolves it
         loop.call_soon(order.append, "one hop later")
         await task
         assert order[0] == "woken", order
@@ -236,9 +236,9 @@ def test_a_finished_receive_leaves_its_deadline_entry_and_stays_a_success() -> N
     async def body() -> None:
         b = ucx_agent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
         aborted: list[str] = []
-        b.abort = lambda h, exc: aborted.append(h.request_id)  # type: ignore[method-assign]
+        b._abort = lambda h, exc: aborted.append(h.request_id)  # type: ignore[method-assign]
         early = b.expect("early", np.arange(3), 0, 20, timeout=0.05)
-        b.expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
+        b._expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
         assert early.done() and len(b._deadlines) == 1
         late = b.expect("late", np.arange(3), 0, 20, timeout=0.6)
         await asyncio.sleep(0.2)  # the timer reached the first entry only
@@ -288,13 +288,13 @@ def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int, token
         b = ucx_agent(SMALL, make_cache(SMALL, pages, None), busy_poll_us=busy_poll_us)
         peer = await a.connect(b.metadata())
         spins: list[int] = []
-        poll_now = b.poll_now
+        poll_now = b._poll_now
 
         def recording(spin_us: int = 0, token: int = 0) -> None:
             spins.append(spin_us)
             poll_now(spin_us, token)
 
-        b.poll_now = recording  # type: ignore[method-assign]
+        b._poll_now = recording  # type: ignore[method-assign]
         bt = np.arange(pages)
         h = b.expect("inline", bt, 0, tokens)
         hs = peer.send("inline", bt, bt, 0, tokens)
@@ -387,13 +387,13 @@ def test_a_part_read_after_its_peer_failed_fails_the_receive() -> None:
             await asyncio.sleep(0.01)
         assert isinstance(pb.error, PeerGone)
         assert not (part.done() or whole.done() or staged.done())  # unbound: nothing to fail
-        b.expectations.on_landed(part.owner.token, 0, pb, 1, False)
+        b._expectations.on_landed(part.owner.token, 0, pb, 1, False)
         with pytest.raises(PeerGone):
             await part.wait(1)
-        b.expectations.on_landed(whole.owner.token, 0, pb, SMALL.num_layers, True)
+        b._expectations.on_landed(whole.owner.token, 0, pb, SMALL.num_layers, True)
         assert (await whole.wait(1)).layers_done == SMALL.num_layers
         req = Message(Kind.STAGE_REQ, pb.agent_id, "s", 0, 30, 0, 1, nbytes=1)
-        b.expectations.on_part(pb, req, SMALL.head_range)
+        b._expectations.on_part(pb, req, SMALL.head_range)
         with pytest.raises(PeerGone):
             await staged.wait(1)
         await b.close()
@@ -501,7 +501,7 @@ def test_a_prepared_send_is_checked_when_made() -> None:
         with pytest.raises(LayoutError, match="same layout"):
             (await a.connect(c.metadata())).prepare_send(np.arange(1), np.arange(1), 0, 8)
         prep = peer.prepare_send(np.arange(2), np.arange(2), 0, 16)
-        peer.gone(PeerGone("test: the peer went away"))
+        peer._gone(PeerGone("test: the peer went away"))
         with pytest.raises(PeerGone):
             prep.post("r")
         for agent in (a, b, c):

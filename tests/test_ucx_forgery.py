@@ -82,7 +82,7 @@ def raw_done(rid: str, sender: bytes, pages: int = 0, nbytes: int = 0) -> bytes:
 
 def send_raw(frm: ucx.UcxAgent, peer: Any, data: bytes) -> None:
     """Put bytes on the wire of ``frm``'s endpoint to ``peer`` as they are."""
-    frm._engine.send(peer.ep, data, False)
+    frm._engine.send(peer._ep, data, False)
 
 
 async def settle() -> None:
@@ -140,7 +140,7 @@ def test_a_done_naming_another_peer_as_sender_is_dropped() -> None:
         await settle()
         assert not h.done() and a.stats()["dropped_unknown_sender"] == 2
         # under its own tag, B's DONE is another peer's part: dropped, counted
-        own = pb.tx_tag
+        own = pb._tx_tag
         send_raw(b, pb, raw_done("r", own))
         await settle()
         assert not h.done() and a.stats()["done_wrong_peer"] == 1
@@ -187,7 +187,7 @@ def test_a_done_with_nothing_put_names_its_pages_or_is_refused() -> None:
         bt = np.array([12, 13])
         before = digest(cache_of(a), bt)
         h = a.expect("r", bt, 0, TOKENS)
-        send_raw(b, pb, raw_done("r", pb.tx_tag, pages=12345))
+        send_raw(b, pb, raw_done("r", pb._tx_tag, pages=12345))
         with pytest.raises(RemoteProtocolError):
             await h
         assert a.stats()["done_wrong_pages"] == 1
@@ -221,12 +221,12 @@ def test_what_one_peer_keeps_waiting_is_bounded() -> None:
         a, b, c, pb, pc = await trio()
         extra = 40
         for i in range(MAX_EARLY_PER_PEER + extra):
-            send_raw(b, pb, raw_done(f"f{i}", pb.tx_tag))
+            send_raw(b, pb, raw_done(f"f{i}", pb._tx_tag))
             if i % 256 == 0:
                 await asyncio.sleep(0.01)
         await asyncio.sleep(0.5)
         assert a.stats()["early_dropped"] == extra
-        assert a.peer(b.agent_id).early_parts == MAX_EARLY_PER_PEER
+        assert a.peer(b.agent_id)._early_parts == MAX_EARLY_PER_PEER
         # another peer's early part is still kept, and lands
         bt, sbt = np.array([30, 31]), np.array([1, 2])
         await pc.send("c1", sbt, bt, 0, TOKENS)

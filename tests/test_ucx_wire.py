@@ -288,7 +288,7 @@ def test_hello_from_a_peer_with_another_fifo_gets_no_endpoint() -> None:
     from kvbridge.transport.ucx.messages import HelloBlob, encode_hello_blob
 
     class Host:
-        agent_id, epoch, layout, timeout, shm_fifo = b"B" * 16, 7, SMALL, 1.0, (256, 256)
+        agent_id, _epoch, layout, _timeout, _shm_fifo = b"B" * 16, 7, SMALL, 1.0, (256, 256)
         _psk, _allow_unauthenticated, _peers = None, True, {}
 
         def __init__(self) -> None:

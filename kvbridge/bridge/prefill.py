@@ -211,7 +211,7 @@ class PrefillBridge:
                 f"{name}: ticket is for {t.transport.name} but the destination uses {want.name}"
             )
         peer = self._ucx_peers.get(name)
-        if peer is not None and peer.metadata.agent_id != t.agent_id:
+        if peer is not None and peer.agent_id != t.agent_id:
             raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
         self.send_heads(name, t)
         return t

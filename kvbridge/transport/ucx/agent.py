@@ -11,7 +11,9 @@ completes when the bytes have landed.  See docs/ucx.md.
 The agent owns the engine, the loop binding, the operations in flight, the
 heartbeat and the dispatch of control messages; the peers (peer.py), the
 handshake (hello.py), the receiving side (expect.py) and the staging path
-(staging.py) talk to it through the methods under "used by the parts".
+(staging.py) call its private engine callbacks (the underscored methods
+under "used by the parts").  The public surface is what an engine calls:
+docs/ucx.md's API section, held by tests/test_ucx_surface.py.
 """
 
 from __future__ import annotations
@@ -150,13 +152,13 @@ class UcxAgent:
         if mod is None:
             raise Unavailable(f"UCX transport unavailable: {unavailable_reason()}")
         self.layout = layout
-        self.cache = cache
-        self.token_bytes = layout.token_bytes_per_layer
-        self.timeout = float(timeout)
-        self.min_put_run_bytes = int(min_put_run_bytes)
+        self._cache = cache
+        self._token_bytes = layout.token_bytes_per_layer
+        self._timeout = float(timeout)
+        self._min_put_run_bytes = int(min_put_run_bytes)
         if error_mode not in ("peer", "none"):
             raise InvalidArgument(f"error_mode must be 'peer' or 'none', not {error_mode!r}")
-        self.error_mode = error_mode
+        self._error_mode = error_mode
         if heartbeat <= 0 or peer_timeout <= heartbeat:
             raise InvalidArgument("need 0 < heartbeat < peer_timeout")
         if progress not in ("thread", "loop"):
@@ -165,51 +167,51 @@ class UcxAgent:
             raise InvalidArgument("busy_poll_us must be in [0, 1e6]")
         if not 0 <= put_window <= 1 << 20:
             raise InvalidArgument("put_window must be in [0, 2**20] (0: no limit)")
-        self.put_window = int(put_window)
+        self._put_window = int(put_window)
         if not 0 <= poll_yield_us <= 1_000_000:
             raise InvalidArgument("poll_yield_us must be in [0, 1e6]")
-        self.poll_yield_us = int(poll_yield_us)
+        self._poll_yield_us = int(poll_yield_us)
         if psk is not None and not isinstance(psk, (bytes, Mapping)):
             raise InvalidArgument("psk must be bytes or a mapping identity -> bytes")
         if len(identity.encode()) > MAX_IDENTITY:
             raise InvalidArgument(f"identity longer than {MAX_IDENTITY} bytes of UTF-8")
         self._psk = psk
         self._allow_unauthenticated = bool(allow_unauthenticated)
-        self.progress_mode = progress
-        self.busy_poll_us = int(busy_poll_us)
-        self.heartbeat = float(heartbeat)
-        self.peer_timeout = float(peer_timeout)
+        self._progress_mode = progress
+        self._busy_poll_us = int(busy_poll_us)
+        self._heartbeat = float(heartbeat)
+        self._peer_timeout = float(peer_timeout)
         cfg = {k: v for k, v in DEFAULT_UCX_CONFIG.items() if f"UCX_{k}" not in os.environ}
         cfg.update(config or {})
         # what peers must match (metadata version 3 names it when not UCX's default)
-        self.shm_fifo = shm_fifo(cfg)
+        self._shm_fifo = shm_fifo(cfg)
         self._mod = mod
         try:
             self._engine = mod.Engine(list(cfg.items()))
         except mod.UcsError as e:
             raise Unavailable(f"UCX could not start: {e.args[-1]}") from None
         try:
-            self.registration = Registration(self._engine, layout, cache, staging_bytes)
+            self._registration = Registration(self._engine, layout, cache, staging_bytes)
         except BaseException:
             self._engine.close()
             raise
-        reg = self.registration
-        self.num_pages = reg.num_pages
-        self.geometry = CacheGeometry(layout, reg.num_pages)
+        reg = self._registration
+        self._num_pages = reg.num_pages
+        self._geometry = CacheGeometry(layout, reg.num_pages)
         self.agent_id = os.urandom(16)
         self.identity = identity or self.agent_id.hex()
-        self.epoch = time.time_ns()
+        self._epoch = time.time_ns()
         self._engine.set_agent_id(self.agent_id)  # the sender of its DONE messages
-        self._engine.set_put_window(self.put_window)
-        self._engine.set_yield_us(self.poll_yield_us)
+        self._engine.set_put_window(self._put_window)
+        self._engine.set_yield_us(self._poll_yield_us)
         self._md = AgentMetadata(
             self.agent_id,
-            self.epoch,
+            self._epoch,
             layout,
             reg.num_pages,
             self._engine.address(),
             reg.regions,
-            self.shm_fifo,
+            self._shm_fifo,
         )
         self._blob = encode_metadata(self._md)
         if len(self._blob) > MAX_HELLO_BLOB:
@@ -218,7 +220,7 @@ class UcxAgent:
                 f"UCX registration metadata of {len(self._blob)} bytes does not fit in a "
                 f"HELLO ({MAX_HELLO_BLOB}): too many regions or too long remote keys"
             )
-        self.staging = Staging(
+        self._staging = Staging(
             self,
             layout,
             cache,
@@ -229,9 +231,9 @@ class UcxAgent:
             staging_threads,
             packer,
         )
-        self.expectations = Expectations(
+        self._expectations = Expectations(
             self._reject,
-            self.staging.start_recv,
+            self._staging.start_recv,
             _EngineLedger(self._engine, layout.head_range),
             layout.head_range,
             self._count,
@@ -309,18 +311,18 @@ class UcxAgent:
         rid = request_id if type(request_id) is str else str(request_id)
         hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
         key = (rid, hr)
-        if key in self.expectations:
+        if key in self._expectations:
             raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
         l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = as_table(block_table)
         if lay.order is MemoryOrder.STRIDED:  # the cache maps its own block table
-            self.cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
+            self._cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
         else:
-            check_table(self.geometry, bt, start, end)  # raises PageIndexError
+            check_table(self._geometry, bt, start, end)  # raises PageIndexError
         if heads is None:  # all our heads: one token of one layer is token_bytes
-            total = (l1 - l0) * (end - start) * self.token_bytes
+            total = (l1 - l0) * (end - start) * self._token_bytes
         else:
             total = lay.wire_nbytes(end - start, (l0, l1), hr)
         pages = 0
@@ -329,20 +331,20 @@ class UcxAgent:
                 pages = self._mod.pages_digest(bt, start, end, lay.page_tokens)
             except (IndexError, ValueError) as e:
                 raise PageIndexError(str(e)) from None
-        h = self.new_handle(rid, "recv", total, timeout or self.timeout)
+        h = self._new_handle(rid, "recv", total, timeout or self._timeout)
         token = self._next_token
         self._next_token = token + 1
         ex = Expect(h, bt, start, end, l0, l1, peer, token, hr, pages)
         h.owner = ex
         if heads is None or hr == lay.head_range:  # in the engine's table: a put completes it
             h.token = token
-        h.poller = self.poll_now
-        self.expectations.add(ex, key)
+        h.poller = self._poll_now
+        self._expectations.add(ex, key)
         if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
         return h
 
-    def poll_now(self, spin_us: int = 0, token: int = 0) -> None:
+    def _poll_now(self, spin_us: int = 0, token: int = 0) -> None:
         """Progress the worker once (``spin_us`` 0: what ``done()`` of a
         handle in flight does, so a polling caller needs no loop wake-up),
         or until something arrives within ``spin_us`` (at most the agent's
@@ -354,12 +356,12 @@ class UcxAgent:
         kept by its PINGs, not by the DONEs taken here)."""
         if self._closed or self._in_events or self._loop is None:
             return
-        spin = min(spin_us, self.busy_poll_us)
-        yield_us = self.poll_yield_us if spin else 0
+        spin = min(spin_us, self._busy_poll_us)
+        yield_us = self._poll_yield_us if spin else 0
         if token:
             nbytes = self._engine.poll_take(spin, token, yield_us)
             if nbytes >= 0:
-                self.expectations.on_landed(token, nbytes, None, 0, True)
+                self._expectations.on_landed(token, nbytes, None, 0, True)
             elif nbytes == _QUEUED:
                 self._on_events()
             return
@@ -377,13 +379,13 @@ class UcxAgent:
                 self._post(p, Message(Kind.BYE, self.agent_id))
         closing = Cancelled("the UCX agent closed")
         for p in self.peers:
-            p.gone(closing)
+            p._gone(closing)
         self._peers.clear()
         self._by_ep.clear()
         self._by_tag.clear()
-        self.expectations.fail_all(closing)
+        self._expectations.fail_all(closing)
         self._hellos.fail_all(closing)
-        await self.staging.close()
+        await self._staging.close()
         self._closed = True
         if self._hb_timer is not None:
             self._hb_timer.cancel()
@@ -411,24 +413,21 @@ class UcxAgent:
 
     # ---- used by the parts (peer, hello, expect, staging) ---------------------------------
     @property
-    def cache_region_ids(self) -> np.ndarray:
-        return self.registration.cache_ids
+    def _cache_region_ids(self) -> np.ndarray:
+        return self._registration.cache_ids
 
-    def check_open(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise Cancelled("the UCX agent is closed")
 
-    def new_handle(
+    def _new_handle(
         self, rid: str, direction: str, total: int, timeout: float, *, armed: bool = True
     ) -> TransferHandle:
         if self._loop is None or self._closed:
             self._loop_now()
         return TransferHandle(
-            rid, direction, total, timeout, self.abort, armed=armed, deadlines=self._deadlines
+            rid, direction, total, timeout, self._abort, armed=armed, deadlines=self._deadlines
         )
-
-    def known_peer(self, agent_id: bytes) -> UcxPeer | None:
-        return self._peers.get(agent_id)
 
     def _make_peer(self, md: AgentMetadata, same_layout: bool, *, listed: bool = True) -> UcxPeer:
         """An endpoint to ``md``'s address and the tag we issue to it (what
@@ -436,27 +435,27 @@ class UcxAgent:
         (else a temporary endpoint, for a HELLO_NACK)."""
         regions = [(r.base, r.length, r.rkey) for r in md.regions]
         try:
-            ep = self._engine.connect(md.address, regions, self.error_mode == "peer")
+            ep = self._engine.connect(md.address, regions, self._error_mode == "peer")
         except Exception as e:
             raise map_engine_error(e, "UCX connect") from None
         peer = UcxPeer(self, md, ep, same_layout)
-        peer.rx_tag = new_tag()
+        peer._rx_tag = new_tag()
         if listed:
             self._peers[md.agent_id] = peer
             self._by_ep[ep] = peer
-            self._by_tag[peer.rx_tag] = peer
-            self._engine.add_peer(peer.rx_tag, md.agent_id)  # its DONEs may land in C++
+            self._by_tag[peer._rx_tag] = peer
+            self._engine.add_peer(peer._rx_tag, md.agent_id)  # its DONEs may land in C++
         self._kick()
         return peer
 
     def _bind(self, peer: UcxPeer, tx_tag: bytes, identity: str, authenticated: bool) -> None:
         """The HELLO exchange gave ``peer``'s tag for us: what we write as
         the sender of every message to it."""
-        peer.tx_tag = tx_tag
+        peer._tx_tag = tx_tag
         peer.identity = identity
         peer.authenticated = authenticated
         if not self._closed:
-            self._engine.set_ep_tag(peer.ep, tx_tag)
+            self._engine.set_ep_tag(peer._ep, tx_tag)
 
     def _psk_key(self, identity: str) -> bytes | None:
         """The key of a connection whose initiator is ``identity``."""
@@ -473,19 +472,19 @@ class UcxAgent:
         tag is revoked (a later message under it is dropped)."""
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
-        if self._by_ep.pop(peer.ep, None) is None and peer.ep < 0:
+        if self._by_ep.pop(peer._ep, None) is None and peer._ep < 0:
             return  # forgotten already
-        if self._by_tag.get(peer.rx_tag) is peer:
-            del self._by_tag[peer.rx_tag]
+        if self._by_tag.get(peer._rx_tag) is peer:
+            del self._by_tag[peer._rx_tag]
         if peer.error is None:
-            peer.gone(PeerGone(f"peer {peer.name[:8]} was dropped"))
-        self.expectations.fail_peer(peer, peer.error or PeerGone("peer dropped"))
+            peer._gone(PeerGone(f"peer {peer.name[:8]} was dropped"))
+        self._expectations.fail_peer(peer, peer.error or PeerGone("peer dropped"))
         if not self._closed:
-            self._engine.remove_peer(peer.rx_tag)
-            self._engine.disconnect(peer.ep)
-        peer.ep = -1
+            self._engine.remove_peer(peer._rx_tag)
+            self._engine.disconnect(peer._ep)
+        peer._ep = -1
 
-    async def close_peer(self, peer: UcxPeer) -> None:
+    async def _close_peer(self, peer: UcxPeer) -> None:
         if peer.error is None and not self._closed:
             done: asyncio.Future[None] = self._loop_now().create_future()
 
@@ -502,13 +501,13 @@ class UcxAgent:
         """Send a control message under ``peer``'s tag (a HELLO, HELLO_ACK or
         HELLO_NACK as it is); ``on_sent`` runs once it left (or failed)."""
         hello = msg.kind <= Kind.HELLO_NACK
-        if peer.error is not None or self._closed or (not hello and not peer.tx_tag):
+        if peer.error is not None or self._closed or (not hello and not peer._tx_tag):
             if on_sent is not None:
                 on_sent()
             return
         try:
-            wire = encode_message(msg, None if hello else peer.tx_tag)
-            op, status = self._engine.send(peer.ep, wire, on_sent is not None)
+            wire = encode_message(msg, None if hello else peer._tx_tag)
+            op, status = self._engine.send(peer._ep, wire, on_sent is not None)
         except Exception as e:
             self._peer_gone(peer, map_engine_error(e, "UCX message"))
             if on_sent is not None:
@@ -522,7 +521,7 @@ class UcxAgent:
         else:
             on_sent()
 
-    def put_range(
+    def _put_range(
         self,
         peer: UcxPeer,
         block_table: Any,
@@ -541,12 +540,12 @@ class UcxAgent:
         posted).  The block tables go to the engine as they are when they
         are 1-D arrays (the engine converts another integer dtype), else as
         flat int64 arrays."""
-        if peer.plan is None:
-            self.run_plan(peer)
+        if peer._plan is None:
+            self._run_plan(peer)
         rid_bytes = rid.encode()
         if len(rid_bytes) > MAX_RID:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
-        eng, ep, plan, spin = self._engine, peer.ep, peer.plan, self.busy_poll_us
+        eng, ep, plan, spin = self._engine, peer._ep, peer._plan, self._busy_poll_us
         try:
             try:
                 posted = eng.put_range(
@@ -566,18 +565,18 @@ class UcxAgent:
             raise map_engine_error(e, "UCX put") from None
         return None if posted[1] == _TINY else posted  # (op, status, runs, bytes)
 
-    def run_plan(self, peer: UcxPeer) -> Any:
+    def _run_plan(self, peer: UcxPeer) -> Any:
         """The engine's RunPlan between our cache and ``peer``'s (same
         layout), made on first use."""
-        if peer.plan is None:
-            peer.plan = self._mod.RunPlan(
+        if peer._plan is None:
+            peer._plan = self._mod.RunPlan(
                 **plan_args(
-                    self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids
+                    self._geometry, peer._geometry, self._cache_region_ids, peer._cache_region_ids
                 )
             )
-        return peer.plan
+        return peer._plan
 
-    def put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]:
+    def _put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]:
         """Post a PreparedPut under request id ``rid`` (puts, flush, DONE),
         progressing inline for up to ``busy_poll_us``: (op, status)."""
         rid_bytes = rid.encode()
@@ -585,13 +584,13 @@ class UcxAgent:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
         try:
             posted: tuple[int, int] = self._engine.put_prepared(
-                peer.ep, prepared, rid_bytes, self.busy_poll_us
+                peer._ep, prepared, rid_bytes, self._busy_poll_us
             )
         except Exception as e:
             raise map_engine_error(e, "UCX put") from None
         return posted
 
-    def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
+    def _adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
         """``h`` completes with the put ``op`` (``status``: its outcome, or
         UCS_INPROGRESS while in flight)."""
         if status == 0:
@@ -599,19 +598,19 @@ class UcxAgent:
         elif status == _INPROGRESS:
             self._ops[op] = h
             h.arm()
-            h.poller = self.poll_now
-            peer.track(h)
+            h.poller = self._poll_now
+            peer._track(h)
             self._kick()
         else:
             h.fail(peer.error or ucs_error(status, f"send {h.request_id!r}"))
 
-    async def put_and_wait(
+    async def _put_and_wait(
         self, peer: UcxPeer, runs: np.ndarray, notify: bytes, timeout: float
     ) -> None:
         """Post a put batch and wait (at most ``timeout``) until it completed."""
         try:
             op, status = self._engine.put(
-                peer.ep, np.ascontiguousarray(runs, dtype=np.uint64), notify, self.busy_poll_us
+                peer._ep, np.ascontiguousarray(runs, dtype=np.uint64), notify, self._busy_poll_us
             )
         except Exception as e:
             raise map_engine_error(e, "UCX put") from e
@@ -638,10 +637,10 @@ class UcxAgent:
 
         await wait_within(fut, timeout, expired)
 
-    def landed(self, ex: Expect, l0: int, l1: int) -> None:
-        self.expectations.landed(ex, l0, l1)
+    def _landed(self, ex: Expect, l0: int, l1: int) -> None:
+        self._expectations.landed(ex, l0, l1)
 
-    def abort(self, h: TransferHandle, exc: KVBridgeError) -> None:
+    def _abort(self, h: TransferHandle, exc: KVBridgeError) -> None:
         """A handle failed or was cancelled here: tell the peer (ABORT with the
         ErrorCode of ``exc``) and stop the handle's task."""
         if h.task is not None:
@@ -649,11 +648,11 @@ class UcxAgent:
         peer: UcxPeer | None = None
         owner = h.owner
         if isinstance(owner, Expect):
-            self.expectations.drop(owner)
+            self._expectations.drop(owner)
             peer = owner.peer
         elif isinstance(owner, UcxPeer):
             peer = owner
-            peer.untrack(h)
+            peer._untrack(h)
         if peer is None:
             return
         blob = (
@@ -678,20 +677,20 @@ class UcxAgent:
             raise Cancelled("the UCX agent is closed")
         if self._loop is None:
             self._loop = loop
-            self.staging.bind()
-            if self.progress_mode == "thread":
+            self._staging.bind()
+            if self._progress_mode == "thread":
                 self._progress = ThreadProgress(
-                    self._engine, loop, self._on_events, self.busy_poll_us, self.poll_yield_us
+                    self._engine, loop, self._on_events, self._busy_poll_us, self._poll_yield_us
                 )
             else:
                 self._progress = LoopProgress(self._engine, loop, self._on_events, self._busy)
-            self._hb_timer = loop.call_later(self.heartbeat, self._beat)
+            self._hb_timer = loop.call_later(self._heartbeat, self._beat)
         elif loop is not self._loop:
             raise InvalidArgument("a UcxAgent is bound to the asyncio loop that first used it")
         return loop
 
     def _busy(self) -> bool:
-        return bool(self._ops) or bool(self.staging.tasks)
+        return bool(self._ops) or bool(self._staging.tasks)
 
     def _kick(self) -> None:
         if self._progress is not None:
@@ -705,17 +704,17 @@ class UcxAgent:
         for p in self.peers:
             if p.error is not None:
                 continue
-            if now - p.last_heard > self.peer_timeout:
-                self._peer_gone(p, PeerGone(f"peer {p.name[:8]} silent for {self.peer_timeout} s"))
+            if now - p._last_heard > self._peer_timeout:
+                self._peer_gone(p, PeerGone(f"peer {p.name[:8]} silent for {self._peer_timeout} s"))
             else:
                 self._post(p, Message(Kind.PING, self.agent_id))
-        self._hb_timer = self._loop.call_later(self.heartbeat, self._beat)
+        self._hb_timer = self._loop.call_later(self._heartbeat, self._beat)
 
     def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError) -> None:
         """``peer`` died or closed: fail what it was part of and drop it
         (from ``peers`` too; a reconnect makes a new peer)."""
-        peer.gone(exc)
-        self.expectations.fail_peer(peer, peer.error or exc)
+        peer._gone(exc)
+        self._expectations.fail_peer(peer, peer.error or exc)
         self._forget(peer)
 
     # ---- events ------------------------------------------------------------------------------------
@@ -751,8 +750,8 @@ class UcxAgent:
             for token, _l0, _l1, nbytes, sender, layers, complete in landed:
                 peer = self._peers.get(sender)
                 if peer is not None:
-                    peer.last_heard = now
-                self.expectations.on_landed(token, nbytes, peer, layers, complete)
+                    peer._last_heard = now
+                self._expectations.on_landed(token, nbytes, peer, layers, complete)
         for raw in messages:
             try:
                 m = decode_message(raw)
@@ -767,7 +766,7 @@ class UcxAgent:
     def _put_done(self, h: TransferHandle, status: int) -> None:
         peer = h.owner if isinstance(h.owner, UcxPeer) else None
         if peer is not None:
-            peer.untrack(h)
+            peer._untrack(h)
         if status == 0:
             h.finish()
         else:
@@ -784,10 +783,10 @@ class UcxAgent:
         # the sender is the peer we issued the message's tag to, never an
         # agent id a message names
         peer = self._by_tag.get(m.sender)
-        if peer is None or not peer.tx_tag:
+        if peer is None or not peer._tx_tag:
             self._counts["dropped_unknown_sender"] += 1
             return  # not (or no longer) connected
-        peer.last_heard = time.monotonic()
+        peer._last_heard = time.monotonic()
         if m.kind is Kind.PING:
             return
         if m.kind is Kind.BYE:
@@ -803,17 +802,17 @@ class UcxAgent:
             except KVBridgeError as e:
                 self._reject(peer, m.rid, e)
                 return
-            self.expectations.on_part(peer, m, heads)
+            self._expectations.on_part(peer, m, heads)
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
-            self.staging.on_message(peer, m)
+            self._staging.on_message(peer, m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
-            peer.fail_sends(exc, m.rid)
+            peer._fail_sends(exc, m.rid)
             try:
                 named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
             except KVBridgeError:
                 named = None  # a malformed head range: every part of the request from it
-            self.expectations.on_abort(peer, m.rid, named, exc)
+            self._expectations.on_abort(peer, m.rid, named, exc)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))

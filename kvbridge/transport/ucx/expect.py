@@ -138,7 +138,7 @@ class Expectations:
             self._aborted.pop(key, None)
         if self._early:
             for peer, msg in self._early.pop(key, ()):
-                peer.early_parts -= 1
+                peer._early_parts -= 1
                 self.deliver(ex, peer, msg)
 
     def _unlink(self, ex: Expect) -> None:
@@ -167,14 +167,14 @@ class Expectations:
             if ex.peer is peer:
                 ex.handle.fail(exc)
                 self.drop(ex)
-        if peer.early_parts:
+        if peer._early_parts:
             for key in list(self._early):
                 kept = [(p, m) for p, m in self._early[key] if p is not peer]
                 if kept:
                     self._early[key] = kept
                 else:
                     del self._early[key]
-            peer.early_parts = 0
+            peer._early_parts = 0
 
     def fail_all(self, exc: KVBridgeError) -> None:
         for ex in list(self._table.values()):
@@ -207,7 +207,7 @@ class Expectations:
         # kept until its expect, within bounds: per peer, per request, in all
         early = self._early.get(key)
         if (
-            peer.early_parts >= MAX_EARLY_PER_PEER
+            peer._early_parts >= MAX_EARLY_PER_PEER
             or (early is None and len(self._early) >= MAX_EARLY_REQUESTS)
             or (early is not None and len(early) >= MAX_EARLY_PARTS)
         ):
@@ -216,7 +216,7 @@ class Expectations:
                 peer,
                 m.rid,
                 ResourceLimit(
-                    f"too many parts before their expect ({peer.early_parts} of this peer, "
+                    f"too many parts before their expect ({peer._early_parts} of this peer, "
                     f"at most {MAX_EARLY_PER_PEER})"
                 ),
             )
@@ -224,7 +224,7 @@ class Expectations:
         if early is None:
             early = self._early[key] = []
         early.append((peer, m))
-        peer.early_parts += 1
+        peer._early_parts += 1
 
     def on_abort(
         self, peer: UcxPeer, rid: str, heads: tuple[int, int] | None, exc: KVBridgeError
@@ -239,7 +239,7 @@ class Expectations:
             kept = []
             for p, m in self._early[key]:
                 if p is peer:
-                    p.early_parts -= 1
+                    p._early_parts -= 1
                 else:
                     kept.append((p, m))
             if kept:

@@ -66,14 +66,14 @@ class Hellos:
     async def connect(self, blob: bytes, timeout: float | None, psk: bytes | None) -> UcxPeer:
         a = self._agent
         md = decode_metadata(blob)
-        check_shm_fifo(a.shm_fifo, md.shm_fifo)  # before an endpoint exists
+        check_shm_fifo(a._shm_fifo, md.shm_fifo)  # before an endpoint exists
         same = check_layouts(a.layout, md.layout)
         if md.agent_id == a.agent_id:
             raise InvalidArgument("cannot connect an agent to itself")
         old = a._peers.get(md.agent_id)
-        if old is not None and old.error is None and old.tx_tag:
+        if old is not None and old.error is None and old._tx_tag:
             return old
-        if old is not None and old.error is None and old.metadata.epoch == md.epoch:
+        if old is not None and old.error is None and old._metadata.epoch == md.epoch:
             peer = old  # its HELLO reached us first: answer it over the same endpoint
         else:
             if old is not None:
@@ -83,16 +83,16 @@ class Hellos:
         if len(self._vouched) > 4 * len(a._peers) + 1024:  # bounded: forget the oldest
             del self._vouched[next(iter(self._vouched))]
         fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._pending[peer.rx_tag] = fut
+        self._pending[peer._rx_tag] = fut
         key = psk if psk is not None else a._psk_key(a.identity)
         proof = (
-            hello_proof(key, a.agent_id, md.agent_id, md.epoch, peer.rx_tag, a.identity)
+            hello_proof(key, a.agent_id, md.agent_id, md.epoch, peer._rx_tag, a.identity)
             if key is not None
             else _NO_PROOF
         )
-        hb = HelloBlob(peer.rx_tag, proof, a.identity, a.metadata())
+        hb = HelloBlob(peer._rx_tag, proof, a.identity, a.metadata())
         a._post(peer, Message(Kind.HELLO, a.agent_id, code=md.epoch, blob=encode_hello_blob(hb)))
-        t = timeout or a.timeout
+        t = timeout or a._timeout
         try:
             reply = await asyncio.wait_for(asyncio.shield(fut), t)
         except KVBridgeError:  # first: our timeout errors are TimeoutErrors too
@@ -104,7 +104,7 @@ class Hellos:
                 f"UCX peer {peer.name[:8]} did not answer within {t} s (stale metadata?)"
             ) from None
         finally:
-            self._pending.pop(peer.rx_tag, None)
+            self._pending.pop(peer._rx_tag, None)
         if reply.kind is Kind.HELLO_NACK:
             a._forget(peer)
             err = error_for_code(reply.code, reply.text) if reply.code else None
@@ -114,7 +114,7 @@ class Hellos:
         try:
             ack = decode_ack_blob(reply.blob)
             if key is not None:
-                want = ack_proof(key, md.agent_id, a.agent_id, peer.rx_tag, ack.tag, ack.identity)
+                want = ack_proof(key, md.agent_id, a.agent_id, peer._rx_tag, ack.tag, ack.identity)
                 if not hmac.compare_digest(ack.proof, want):
                     raise AuthenticationError(
                         f"UCX peer {peer.name[:8]} failed pre-shared-key authentication"
@@ -139,7 +139,7 @@ class Hellos:
         except KVBridgeError:
             a._count("hello_refused")
             return  # nothing to answer to
-        if len(hb.tag) != TAG_BYTES or md.shm_fifo != a.shm_fifo:
+        if len(hb.tag) != TAG_BYTES or md.shm_fifo != a._shm_fifo:
             # no answer: an endpoint to a peer whose shared-memory FIFO
             # differs from ours would write its HELLO_NACK into the wrong
             # places there (a peer that checks our metadata never gets here)
@@ -148,7 +148,7 @@ class Hellos:
         try:
             if md.agent_id != m.sender:
                 raise RemoteProtocolError("hello sender does not match its metadata")
-            if m.code != a.epoch:
+            if m.code != a._epoch:
                 raise IncompatiblePeer(
                     "stale metadata: it names an earlier incarnation of this agent"
                 )
@@ -156,7 +156,7 @@ class Hellos:
             key = a._psk_key(hb.identity)
             if a._psk is not None:
                 want = (
-                    hello_proof(key, md.agent_id, a.agent_id, a.epoch, hb.tag, hb.identity)
+                    hello_proof(key, md.agent_id, a.agent_id, a._epoch, hb.tag, hb.identity)
                     if key is not None
                     else None
                 )
@@ -174,19 +174,19 @@ class Hellos:
             self._refuse(md, hb.tag, e)
             return
         old = a._peers.get(md.agent_id)
-        if old is not None and old.error is None and old.metadata.epoch == md.epoch:
+        if old is not None and old.error is None and old._metadata.epoch == md.epoch:
             peer = old  # both sides connected to each other: keep one endpoint each
         else:
             if old is not None:
                 a._forget(old)
             peer = a._make_peer(md, same)
         proof = (
-            ack_proof(key, a.agent_id, md.agent_id, hb.tag, peer.rx_tag, a.identity)
+            ack_proof(key, a.agent_id, md.agent_id, hb.tag, peer._rx_tag, a.identity)
             if key is not None and a._psk is not None
             else _NO_PROOF
         )
         a._bind(peer, hb.tag, hb.identity, a._psk is not None)
-        ack = encode_ack_blob(AckBlob(peer.rx_tag, proof, a.identity))
+        ack = encode_ack_blob(AckBlob(peer._rx_tag, proof, a.identity))
         a._post(peer, Message(Kind.HELLO_ACK, hb.tag, blob=ack))
         if a.on_peer is not None:
             a.on_peer(peer)
