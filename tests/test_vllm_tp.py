@@ -40,8 +40,10 @@ def test_every_rank_pair_moves_its_heads(p: int, d: int, decode_first: bool) -> 
             c.step_d(recv)
         c.step_p(StepPlan(finished_sends={"p1": FinishedSend("t1", hold=True, aborted=False)}))
         c.wait(
-            lambda: c.all_report(c.decodes, "finished_recving", "d1")
-            and c.all_report(c.prefills, "finished_sending", "p1"),
+            lambda: (
+                c.all_report(c.decodes, "finished_recving", "d1")
+                and c.all_report(c.prefills, "finished_sending", "p1")
+            ),
             "every rank reports the transfer",
         )
         for r in c.decodes:
@@ -59,7 +61,9 @@ def test_every_rank_pair_moves_its_heads(p: int, d: int, decode_first: bool) -> 
             want.append((h1 - h0) * per_head)
         assert sent == want, (sent, want)
         got = [r.w.counters.bytes_received for r in c.decodes]
-        assert got == [(r.layout.head_range[1] - r.layout.head_range[0]) * per_head for r in c.decodes]
+        assert got == [
+            (r.layout.head_range[1] - r.layout.head_range[0]) * per_head for r in c.decodes
+        ]
     finally:
         c.close()
 
@@ -80,8 +84,10 @@ def test_one_rank_failing_fails_the_request_on_every_decode_rank() -> None:
         )
         c.step_p(StepPlan(finished_sends={"p2": FinishedSend("t2", hold=True, aborted=False)}))
         c.wait(
-            lambda: c.all_report(c.decodes, "failed_recving", "d2")
-            and c.all_report(c.prefills, "finished_sending", "p2"),
+            lambda: (
+                c.all_report(c.decodes, "failed_recving", "d2")
+                and c.all_report(c.prefills, "finished_sending", "p2")
+            ),
             "the request fails and the prefill ranks free their blocks",
         )
         assert c.decodes[0].finished_recving == ["d2"]
@@ -126,7 +132,9 @@ def test_head_split_is_vllms(tp: int) -> None:
     from types import SimpleNamespace
 
     par = SimpleNamespace(tensor_parallel_size=tp)
-    cfg = SimpleNamespace(use_mla=False, model_arch_config=SimpleNamespace(total_num_kv_heads=kv_heads))
+    cfg = SimpleNamespace(
+        use_mla=False, model_arch_config=SimpleNamespace(total_num_kv_heads=kv_heads)
+    )
     per_rank = mc.ModelConfig.get_num_kv_heads(cfg, par)  # vLLM's own code, on its inputs
     starts = [tp_head_range(kv_heads, tp, r) for r in range(tp)]
     assert all(n == per_rank for _, n in starts)

@@ -279,9 +279,7 @@ class ConnectorScheduler:
             self._tickets.pop(s.params.transfer_id, None)
             self._ticket_seen.pop(s.params.transfer_id, None)
             ok = status in _FINISHED_OK and not s.preempted
-            out = prefill_output(
-                s.params, self.identity, request.num_prompt_tokens, self.tp_size
-            )
+            out = prefill_output(s.params, self.identity, request.num_prompt_tokens, self.tp_size)
             if not s.planned:
                 # no send ever started: nothing reads its blocks; the worker
                 # refuses the tickets that come for it
