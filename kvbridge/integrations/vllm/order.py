@@ -54,7 +54,7 @@ class CudaEvents:
         self.device = torch.device(device)
 
     def record(self) -> Any:
-        ev = self._torch.cuda.Event()
+        ev = self._torch.cuda.Event()  # type: ignore[no-untyped-call]
         ev.record(self._torch.cuda.current_stream(self.device))
         return ev
 

@@ -252,7 +252,7 @@ class ConnectorWorker:
         self._block_ratio = block_ratio
         cfg = self.cfg
         lay = cache.layout
-        self._heads = tuple(lay.head_range)  # type: ignore[assignment]
+        self._heads = tuple(lay.head_range)
         self._kv_heads = int(lay.total_kv_heads)
         kw: dict[str, Any] = {}
         if cfg.metrics_addr is not None:
