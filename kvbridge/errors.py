@@ -118,6 +118,14 @@ class TransferAborted(KVBridgeError):
         self.reason = reason
 
 
+class SourceConflict(KVBridgeError):
+    """The receiver refused this sender's OPEN: another sender is the live
+    source of that transfer (its token, so its head range), and one transfer
+    takes bytes from one live source only (docs/protocol.md 5.1, SOURCE_CONFLICT).
+    Not worth retrying while that source lives; the transfer itself goes on
+    with the other sender's bytes."""
+
+
 class Cancelled(KVBridgeError):
     """The transfer or handoff was cancelled locally."""
 
@@ -256,6 +264,7 @@ class ErrorCode(enum.IntEnum):
     SHUTDOWN = 14
     CHECKSUM = 15
     DECOMPRESS = 16
+    SOURCE_CONFLICT = 17
 
 
 # the peer's code -> the error we raise; codes not named here: see error_for_code
@@ -270,6 +279,7 @@ _FROM_CODE: dict[int, type[KVBridgeError]] = {
     ErrorCode.TRANSFER_MISMATCH: IncompatiblePeer,
     ErrorCode.TIMEOUT: TransferTimeout,
     ErrorCode.RESOURCE_LIMIT: ResourceLimit,
+    ErrorCode.SOURCE_CONFLICT: SourceConflict,
 }
 
 # our error -> the code we send; the first class that matches wins
@@ -281,6 +291,7 @@ _TO_CODE: list[tuple[type[BaseException], ErrorCode]] = [
     (AuthenticationError, ErrorCode.AUTH_FAILED),
     (IncompatiblePeer, ErrorCode.INCOMPATIBLE_LAYOUT),
     (ResourceLimit, ErrorCode.RESOURCE_LIMIT),
+    (SourceConflict, ErrorCode.SOURCE_CONFLICT),
     (ProtocolError, ErrorCode.PROTOCOL_ERROR),
     (Cancelled, ErrorCode.CANCELLED),
     (KVBridgeTimeout, ErrorCode.TIMEOUT),
@@ -304,7 +315,8 @@ def error_for_code(code: int, reason: str, *, connection: bool = False) -> KVBri
     INCOMPATIBLE_LAYOUT, TRANSFER_MISMATCH -> IncompatiblePeer; AUTH_FAILED,
     IDENTITY_REJECTED, UNKNOWN_TOKEN -> AuthenticationError; PROTOCOL_ERROR ->
     RemoteProtocolError; FRAME_TOO_LARGE -> FrameTooLarge; TIMEOUT ->
-    TransferTimeout; RESOURCE_LIMIT -> ResourceLimit.  Every other code
+    TransferTimeout; RESOURCE_LIMIT -> ResourceLimit; SOURCE_CONFLICT ->
+    SourceConflict.  Every other code
     (UNSPECIFIED, CANCELLED, SINK_ERROR, SOURCE_ERROR, SHUTDOWN, CHECKSUM,
     DECOMPRESS, unknown codes) is ``TransferAborted(code)`` in an ABORT and
     ``RemoteProtocolError`` in an ERROR.

@@ -61,6 +61,7 @@ ABORT_CLASSES = {
     E.ErrorCode.SHUTDOWN: E.TransferAborted,
     E.ErrorCode.CHECKSUM: E.TransferAborted,
     E.ErrorCode.DECOMPRESS: E.TransferAborted,
+    E.ErrorCode.SOURCE_CONFLICT: E.SourceConflict,
 }
 
 
@@ -88,6 +89,7 @@ def test_our_errors_map_to_the_codes_we_send() -> None:
         (E.AuthenticationError("a"), E.ErrorCode.AUTH_FAILED),
         (E.IncompatiblePeer("i"), E.ErrorCode.INCOMPATIBLE_LAYOUT),
         (E.ResourceLimit("r"), E.ErrorCode.RESOURCE_LIMIT),
+        (E.SourceConflict("s"), E.ErrorCode.SOURCE_CONFLICT),
         (E.RemoteProtocolError("p"), E.ErrorCode.PROTOCOL_ERROR),
         (E.LocalProtocolError("p"), E.ErrorCode.PROTOCOL_ERROR),
         (E.Cancelled("x"), E.ErrorCode.CANCELLED),
@@ -102,7 +104,7 @@ def test_our_errors_map_to_the_codes_we_send() -> None:
     # what we send is what the peer raises: the same class on both ends
     for exc in (E.VersionMismatch("v"), E.FrameTooLarge("f"), E.AuthenticationError("a"),
                 E.IncompatiblePeer("i"), E.ResourceLimit("r"), E.RemoteProtocolError("p"),
-                E.TransferTimeout("t")):  # fmt: skip
+                E.TransferTimeout("t"), E.SourceConflict("s")):  # fmt: skip
         assert type(E.error_for_code(E.code_for_error(exc), "x")) is type(exc)
 
 

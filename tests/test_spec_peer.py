@@ -129,3 +129,90 @@ def test_the_spec_peer_imports_nothing_of_kvbridge() -> None:
     for f in files:
         text = f.read_text()
         assert "import kvbridge" not in text and "from kvbridge" not in text, f.name
+
+
+def test_two_spec_senders_one_token_the_second_is_refused_source_conflict(tmp_path: Path) -> None:
+    """protocol.md 5.1, one live source per transfer: the spec sender A
+    (its own source id) is bound; a second spec sender B with other bytes
+    and another source id is refused with ABORT SOURCE_CONFLICT, and A's
+    bytes are what the sink holds."""
+    path_a, data_a = _payload(tmp_path, 3_000_001, "random")
+    path_b, _ = _payload(tmp_path, 3_000_001, "fp16")
+
+    async def main() -> None:
+        from tcp_support import FaultProxy
+
+        rx = await TcpReceiver(psk=PSK).start()
+        proxy = FaultProxy(rx.port)
+        port = await proxy.start()
+        sink = BytesSink(len(data_a))
+        h = rx.expect("req-1", sink, timeout=60)
+        t = h._transfer
+        common = ["--psk", PSK.hex(), "--chunk-size", "65536", "--connections", "2"]
+        try:
+            a = await _run("indep_sender.py", f"127.0.0.1:{port}", str(path_a), h.token.hex(),
+                           *common, "--source", "aa" * 16)  # fmt: skip
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 30
+            while t.received_bytes == 0:
+                assert loop.time() < end
+                await asyncio.sleep(0.002)
+            proxy.stall = True  # A stays live, sending nothing for now
+            assert t.source[1] == bytes.fromhex("aa" * 16)  # its OPEN named its source
+            b = await _run("indep_sender.py", f"127.0.0.1:{rx.port}", str(path_b), h.token.hex(),
+                           *common)  # fmt: skip
+            res_b = await _finish(b)
+            assert res_b["result"] == "error" and "SOURCE_CONFLICT" in str(res_b["error"]), res_b
+            proxy.stall = False
+            res_a = await _finish(a)
+            await h.wait(10)
+            assert res_a["result"] == "ok", res_a
+            assert bytes(sink.data) == data_a and t.conflicts >= 1
+        finally:
+            await proxy.close()
+            await rx.close()
+
+    arun(main(), 90)
+
+
+def test_kvbridge_senders_into_spec_receiver_the_second_live_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The spec receiver, written from 5.1, binds the transfer to kvbridge's
+    first sender and refuses a second one (another source id) with
+    SOURCE_CONFLICT, which kvbridge raises as SourceConflict."""
+    from kvbridge.errors import SourceConflict
+
+    path, data = _payload(tmp_path, 3_000_003, "fp16")
+
+    async def main() -> None:
+        proc = await _run("indep_receiver.py", str(path), "--psk", PSK.hex(), "--timeout", "50")
+        txs: list[TcpSender] = []
+        try:
+            assert proc.stdout is not None
+            info = json.loads(await asyncio.wait_for(proc.stdout.readline(), 20))
+            token = bytes.fromhex(info["token"])
+            txs = [TcpSender("127.0.0.1", info["port"], psk=PSK, streams=2, chunk_size=65536,
+                             compression="off") for _ in range(2)]  # fmt: skip
+            first = txs[0].send("req-1", BytesSource(data, itemsize=2), token=token)
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20
+            while not first._transfer.resumed:  # type: ignore[attr-defined]
+                assert loop.time() < end
+                await asyncio.sleep(0.002)
+            other = bytes(b ^ 0xFF for b in data[:1000]) + data[1000:]
+            second = txs[1].send("req-1", BytesSource(other, itemsize=2), token=token)
+            with pytest.raises(SourceConflict):
+                await second.wait(30)
+            await first.wait(30)
+            res = await _finish(proc)
+            assert res["result"] == "ok", res
+            assert res["stats"]["source_conflict"] >= 1  # type: ignore[index]
+        finally:
+            for tx in txs:
+                await tx.close()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.communicate()
+
+    arun(main(), 90)

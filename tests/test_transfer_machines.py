@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbridge.errors import (
     AuthenticationError,
@@ -25,6 +27,7 @@ from kvbridge.errors import (
     KVBridgeError,
     PeerGone,
     RemoteProtocolError,
+    SourceConflict,
     TransferAborted,
     TransferTimeout,
 )
@@ -855,3 +858,154 @@ def test_a_chunk_overtaken_on_its_link_is_resent_even_while_the_link_replies() -
         lc.on_reply(0, t)  # the link keeps replying (other traffic)
     assert first in tx.inflight and tx.next_deadline == pytest.approx(0.2 + clock.rto)
     assert tx.poll(0.2 + clock.rto) == [Wake()] and tx.retries == 1
+
+
+# ---- one live source per transfer (issue 28; docs/protocol.md 5.1) ---------------------------
+def _conflict(outs: list[object]) -> bool:
+    msgs = replies(outs)
+    return len(msgs) == 1 and isinstance(msgs[0], Abort) and msgs[0].code == 17
+
+
+def test_another_live_source_is_refused_and_the_first_one_completes() -> None:
+    rx = rx_for(20)
+    a, b = bytes(range(20)), bytes(range(100, 120))
+    assert replies(rx.on_open("a1", open_msg(1, 20, 10), True, 0.0, "A")) == [Resume(1, ())]
+    (w,) = only(rx.on_data("a1", data(1, 10, 0, a[:10]), 0.0), Write)
+    # a second sender, same token and range, another source: refused, the transfer goes on
+    outs = rx.on_open("b1", open_msg(1, 20, 10), True, 0.0, "B")
+    assert _conflict(outs) and rx.running and "b1" not in rx.attached
+    assert ErrorCode.SOURCE_CONFLICT == 17 and rx.conflicts == 1 and rx.source == "A"
+    # its pipelined DATA is not the transfer's (the driver drops it as stray)
+    assert rx.on_data("b1", data(1, 10, 10, b[10:]), 0.0) == []
+    # more connections of the bound source attach (striping)
+    assert replies(rx.on_open("a2", open_msg(4, 20, 10), True, 0.0, "A")) == [Resume(4, ())]
+    rx.written(w.job, 0.0)  # type: ignore[attr-defined]
+    (w,) = only(rx.on_data("a2", data(4, 10, 10, a[10:]), 0.0), Write)
+    assert w.data.data == a[10:]  # type: ignore[attr-defined]
+    assert only(rx.written(w.job, 0.0), Flush)  # type: ignore[attr-defined]
+    rx.flushed(0.0)
+    # while it lingers with the bound source attached, another source is refused still
+    assert _conflict(rx.on_open("b1", open_msg(2, 20, 10), True, 1.0, "B"))
+
+
+def test_a_source_whose_connections_all_closed_is_taken_over_keeping_what_is_held() -> None:
+    rx = rx_for(30)
+    kv = os.urandom(30)
+    rx.on_open("a1", open_msg(1, 30, 10), True, 0.0, "A")
+    rx.on_open("a2", open_msg(1, 30, 10), True, 0.0, "A")
+    (w,) = only(rx.on_data("a1", data(1, 10, 0, kv[:10]), 0.0), Write)
+    rx.written(w.job, 0.0)  # type: ignore[attr-defined]
+    rx.conn_lost("a1", 1.0)
+    # one connection of A is still attached: A is live
+    assert _conflict(rx.on_open("b1", open_msg(1, 30, 10), True, 1.0, "B"))
+    rx.conn_lost("a2", 2.0)
+    # A is gone: B takes over; RESUME lists what A delivered
+    assert replies(rx.on_open("b1", open_msg(2, 30, 10), True, 2.0, "B")) == [Resume(2, ((0, 10),))]
+    assert rx.source == "B" and rx.takeovers == 1
+    # now A, back, is the other source and B is live
+    assert _conflict(rx.on_open("a3", open_msg(1, 30, 10), True, 2.0, "A"))
+    for off in (10, 20):
+        (w,) = only(rx.on_data("b1", data(2, 10, off, kv[off : off + 10]), 2.0), Write)
+        rx.written(w.job, 2.0)  # type: ignore[attr-defined]
+    assert rx.state is RxState.FLUSHING
+
+
+def test_the_same_source_resumes_after_losing_every_connection() -> None:
+    p = pair(40, 10)
+    p.connect("a")
+    p.send_one("a")
+    p.lose("a")
+    assert not p.rx.attached and p.rx.bound
+    p.connect("b")
+    p.run(["b"])
+    assert p.tx_done == [None] and p.rx_done == [None] and bytes(p.dest) == p.payload
+    assert p.rx.takeovers == 0 and p.rx.conflicts == 0
+
+
+def test_a_refused_source_cannot_abort_the_transfer() -> None:
+    rx = rx_for(20)
+    rx.on_open("a", open_msg(1, 20, 10), True, 0.0, "A")
+    assert _conflict(rx.on_open("b", open_msg(1, 20, 10), True, 0.0, "B"))
+    assert rx.on_abort("b", Abort(1, ErrorCode.CANCELLED, "x"), 0.0) == [] and rx.running
+
+
+def test_a_failed_transfer_answers_cancelled_before_any_conflict() -> None:
+    rx = rx_for(20)
+    rx.on_open("a", open_msg(1, 20, 10), True, 0.0, "A")
+    rx.cancel(Cancelled("x"), ErrorCode.CANCELLED, 0.0)
+    (m,) = replies(rx.on_open("b", open_msg(1, 20, 10), True, 0.0, "B"))
+    assert isinstance(m, Abort) and m.code == ErrorCode.CANCELLED
+
+
+def test_a_mismatched_open_of_another_source_is_a_mismatch_first() -> None:
+    rx = rx_for(20)
+    rx.on_open("a", open_msg(1, 20, 10, (0, 5, 0, 2)), True, 0.0, "A")
+    (m,) = replies(rx.on_open("b", open_msg(1, 20, 10, (0, 6, 0, 2)), True, 0.0, "B"))
+    assert isinstance(m, Abort) and m.code == ErrorCode.TRANSFER_MISMATCH
+
+
+def test_the_sender_maps_source_conflict_and_names_its_source_in_every_open() -> None:
+    tx = TxTransfer(
+        "req", TOKEN, 20, deadline=100.0, now=0.0, clock=AckClock(1.0), source_id=b"S" * 16
+    )
+    tx.start(10, 0.0)
+    tx.attach("a", 1)
+    assert tx.open_message(1, 7).source == b"S" * 16
+    (fin,) = tx.on_message("a", Abort(1, ErrorCode.SOURCE_CONFLICT, "another"), 0.0)
+    assert isinstance(fin, Finished) and isinstance(fin.error, SourceConflict)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["open", "data", "lose"]), st.integers(0, 5), st.integers(0, 4)),
+        max_size=60,
+    )
+)
+def test_property_one_live_source_writes_and_takeover_only_when_gone(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """Three senders (sources 0-2, two connections each) with different
+    bytes open, send chunks and lose connections in any order: every
+    attached connection is the bound source's; an OPEN is refused exactly
+    while another source is attached; every byte written came from the source
+    bound at that moment, so with no takeover the destination is only the
+    first source's bytes."""
+    total, chunk = 50, 10
+    kv = [bytes([s * 50 + i for i in range(total)]) for s in range(3)]
+    rx = rx_for(total)
+    dest = bytearray(total)
+    origin = [-1] * total  # which source each byte came from
+    tids: dict[int, int] = {}
+    live: set[int] = set()
+    for op, conn, k in ops:
+        src = conn // 2
+        if op == "open" and conn not in live:
+            tids[conn] = tids.get(conn, 0) + 1
+            others = {c // 2 for c in rx.attached} - {src}
+            outs = rx.on_open(conn, open_msg(tids[conn], total, chunk), True, 0.0, src)
+            live.add(conn)
+            if others:
+                assert _conflict(outs) and conn not in rx.attached
+            else:
+                assert conn in rx.attached and rx.source == src
+        elif op == "data" and conn in live:
+            off = k * chunk
+            for o in rx.on_data(
+                conn, data(tids[conn], chunk, off, kv[src][off : off + chunk]), 0.0
+            ):
+                if isinstance(o, Write):
+                    assert conn in rx.attached and rx.source == src
+                    for a, b in o.pieces:
+                        dest[a:b] = bytes(o.data.data)[a - off : b - off]
+                        origin[a:b] = [src] * (b - a)
+                    rx.written(o.job, 0.0)
+        elif op == "lose" and conn in live:
+            live.discard(conn)
+            rx.conn_lost(conn, 0.0)
+        assert {c // 2 for c in rx.attached} <= {rx.source}
+    if rx.takeovers == 0:
+        assert len({o for o in origin if o >= 0}) <= 1
+    for i, o in enumerate(origin):
+        if o >= 0:
+            assert dest[i] == kv[o][i]

@@ -33,6 +33,9 @@ NC, NS = bytes(range(32)), bytes(range(32, 64))
 KEY, CH = b"kvbridge-test-key", 0x1122334455667788
 
 
+OPEN_FIELDS = (1, bytes(range(0xA0, 0xB0)), CH, 16, 8, 0, 4, 0, 2, 7, 3, "req-1")
+
+
 def vectors() -> dict[str, bytes]:
     text = DOC.read_text()
     block = re.search(r"```vectors\n(.*?)```", text, re.S)
@@ -64,7 +67,8 @@ def expected() -> dict[str, object]:
         "ERROR": Error(ErrorCode.INCOMPATIBLE_LAYOUT, "layout"),
         "PING": Ping(0x0102030405060708),
         "PONG": Pong(0x0102030405060708),
-        "OPEN": Open(1, bytes(range(0xA0, 0xB0)), CH, 16, 8, 0, 4, 0, 2, 7, 3, "req-1"),
+        "OPEN": Open(*OPEN_FIELDS),
+        "OPEN_SOURCED": Open(*OPEN_FIELDS, bytes(range(0xB0, 0xC0))),
         "RESUME": Resume(1, ((0, 8),)),
         # both ends announce RANGES (the HELLO above): DATA carries the header check
         "DATA": Data(1, 1, 8, 8, 0, 0, checksum(body), body, head_check=True),

@@ -33,6 +33,7 @@ HEADER_SIZE = HEADER.size  # 12
 NONCE_SIZE = 32
 PROOF_SIZE = 32
 TOKEN_SIZE = 16
+SOURCE_SIZE = 16  # an OPEN's source id (5.1)
 MIN_MAX_FRAME = 4096  # smallest max-frame a peer may announce
 DEFAULT_MAX_FRAME = (16 << 20) + 4096
 FLAGS_CRITICAL_MASK = 0xFF00
@@ -94,6 +95,7 @@ __all__ = [  # noqa: RUF022  (grouped as in docs/protocol.md)
     "HEADER_SIZE",
     "NONCE_SIZE",
     "PROOF_SIZE",
+    "SOURCE_SIZE",
     "TOKEN_SIZE",
     "MIN_MAX_FRAME",
     "DEFAULT_MAX_FRAME",
@@ -204,6 +206,9 @@ class Open:
     codecs: int
     priority: int
     request_id: str
+    # the sender's source id (revision 4, 5.1): 16 bytes, the same on every
+    # connection of one sender; empty: the OPEN names none (revision 3's bytes)
+    source: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -409,7 +414,11 @@ def _e_open(msg: Open) -> tuple[int, int, bytes]:
         msg.priority,
         0,
     )
-    return FrameType.OPEN, 0, p + _s(msg.request_id)
+    if msg.source and len(msg.source) != SOURCE_SIZE:
+        raise LocalProtocolError(
+            f"an OPEN's source id is {SOURCE_SIZE} bytes, not {len(msg.source)}"
+        )
+    return FrameType.OPEN, 0, p + _s(msg.request_id) + bytes(msg.source)
 
 
 def _e_data(msg: Data) -> tuple[int, int, bytes]:
@@ -571,7 +580,11 @@ def _d_open(r: _Reader, payload: memoryview) -> Message:
     token = vals[1]
     assert isinstance(token, bytes)
     tid, lh, tot, cs, ts, te, ls, le, codecs, prio, _ = _ints(vals[:1] + vals[2:])
-    return Open(tid, token, lh, tot, cs, ts, te, ls, le, codecs, prio, r.string())
+    rid = r.string()
+    # the extension: a 16-byte source id (revision 4); fewer bytes name none
+    ext = payload[r.pos :]
+    source = bytes(ext[:SOURCE_SIZE]) if len(ext) >= SOURCE_SIZE else b""
+    return Open(tid, token, lh, tot, cs, ts, te, ls, le, codecs, prio, rid, source)
 
 
 def _d_resume(r: _Reader, payload: memoryview) -> Message:

@@ -142,6 +142,7 @@ class _Attachment:
     transfer_id: int
     chunk_size: int
     ranged: bool  # both peers announced RANGES: parts of chunks, any RESUME ranges
+    source: Hashable = None  # the sender that opened it here (on_open's ``source``)
 
 
 @dataclass
@@ -199,6 +200,14 @@ class RxTransfer(Generic[C]):
         self.held = RangeSet()  # bytes verified and in the sink
         self.writing = RangeSet()  # bytes of jobs under way
         self.attached: dict[C, _Attachment] = {}
+        # the one live source (docs/protocol.md 5.1): the sender whose OPEN
+        # was taken; every attached connection is its.  Another sender's OPEN
+        # is refused (SOURCE_CONFLICT) while one of them is attached; once
+        # none is (closed, reset, keepalive timeout), another may take over.
+        self.source: Hashable = None
+        self.bound = False
+        self.takeovers = 0  # times another source took over a source that was gone
+        self.conflicts = 0  # OPENs refused with SOURCE_CONFLICT
         self._jobs_live: dict[int, _Job[C]] = {}
         self._placing: dict[C, int] = {}  # connection -> job being read into the sink
         self._waiting: dict[int, list[_Waiter[C]]] = {}  # job -> frames waiting on it
@@ -248,9 +257,16 @@ class RxTransfer(Generic[C]):
         return tuple(out)
 
     # ---- OPEN ------------------------------------------------------------------------
-    def on_open(self, conn: C, m: Open, ranged: bool, now: float) -> list[RxOutput[C]]:
+    def on_open(
+        self, conn: C, m: Open, ranged: bool, now: float, source: Hashable = None
+    ) -> list[RxOutput[C]]:
         """An OPEN of this transfer's token on ``conn`` (``ranged``: both peers
-        announced RANGES on it)."""
+        announced RANGES on it).  ``source`` names the sender that sent it
+        (the driver: its authenticated identity and the OPEN's source id;
+        equal values are one sender): the first accepted OPEN binds the
+        transfer to its source, and another source's OPEN is refused with
+        ABORT SOURCE_CONFLICT while a connection of the bound one is
+        attached; when none is (each closed), the new source takes over."""
         tid = m.transfer_id
         if self.state in (RxState.FAILED, RxState.FORGOTTEN):
             return [Reply(conn, Abort(tid, ErrorCode.CANCELLED, "transfer no longer expected"))]
@@ -274,11 +290,26 @@ class RxTransfer(Generic[C]):
                     IncompatiblePeer(f"sender's OPEN does not fit: {problem}"), None, now
                 )
             return out
+        if self.bound and source != self.source:
+            if self.attached:  # the bound source is live: one source writes a transfer
+                self.conflicts += 1
+                return [
+                    Reply(
+                        conn,
+                        Abort(
+                            tid,
+                            ErrorCode.SOURCE_CONFLICT,
+                            "another sender is the live source of this transfer",
+                        ),
+                    )
+                ]
+            self.takeovers += 1  # every connection of the bound source is gone
+        self.source, self.bound = source, True
         if self.state is RxState.EXPECTING:
             self.state = RxState.RECEIVING
             self.priority = m.priority
             self.first_ranges = (m.token_start, m.token_end, m.layer_start, m.layer_end)
-        self.attached[conn] = _Attachment(tid, m.chunk_size, ranged)
+        self.attached[conn] = _Attachment(tid, m.chunk_size, ranged, source)
         out = [Reply(conn, Resume(tid, self.resume_ranges(conn)))]
         if self.state is RxState.COMPLETE:
             out.append(Reply(conn, Complete(tid, self.total)))

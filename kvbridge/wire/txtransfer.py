@@ -237,8 +237,10 @@ class TxTransfer(Generic[L]):
         ready_bytes: int | None = None,
         planned_chunk: int = 1 << 20,
         link_clock: Callable[[L], LinkClock] | None = None,
+        source_id: bytes = b"",
     ) -> None:
         self.request_id = request_id
+        self.source_id = source_id  # the sender's, in every OPEN (5.1; b"": none)
         self.token = token
         self.total = total
         self.layout_hash = layout_hash
@@ -306,6 +308,7 @@ class TxTransfer(Generic[L]):
             codecs,
             self.priority,
             self.request_id,
+            self.source_id,
         )
 
     @property

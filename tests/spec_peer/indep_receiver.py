@@ -40,6 +40,7 @@ class Receiver:
         self.held = set()
         self.damaged = 0
         self.attached = {}             # conn -> tid
+        self.source = None             # the source the transfer is bound to (5.1)
         self.complete = False
         self.failed = None
         self.result = asyncio.get_event_loop().create_future()
@@ -100,6 +101,7 @@ class Receiver:
                 return False
         c.send(READY, b"")
         await c.drain()
+        c.identity = h["identity"]     # authenticated: half of the source of its OPENs (5.1)
         c.negotiated = version
         c.limit = self.a.max_frame
         c.peer_max_frame = h["max_frame"]
@@ -145,6 +147,16 @@ class Receiver:
             if self.first_open is None:
                 self.fail(f"TRANSFER_MISMATCH on first OPEN: {bad}")
             return
+        # 5.1 "One live source per transfer": (identity, source id or none)
+        source = (c.identity, o["source"] or None)
+        if self.source is not None and source != self.source:
+            if self.attached:        # every attached connection is the bound source's: it is live
+                self.stats["source_conflict"] += 1
+                c.send(ABORT, enc_abort(tid, C["SOURCE_CONFLICT"], "another sender is the live source"))
+                log(f"[{c.name}] -> ABORT tid={tid} SOURCE_CONFLICT")
+                return
+            self.stats["takeover"] += 1
+        self.source = source
         if o["codecs"] & ~self.a.caps:
             log(f"[{c.name}] note: OPEN codecs {o['codecs']:#x} exceed our caps {self.a.caps:#x}")
         if self.first_open is None:

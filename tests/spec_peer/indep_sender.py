@@ -3,7 +3,7 @@
 usage: indep_sender.py HOST:PORT PAYLOAD TOKEN_HEX [--psk HEX] [--connections N]
         [--chunk-size B] [--request-id ID] [--identity NAME] [--expect-identity NAME]
         [--compat-hash N] [--compression off|lz4|zstd] [--shuffle] [--corrupt-chunk I]
-        [--no-verify-server] [--timeout S] [--token-range A:B] [--layer-range A:B]
+        [--no-verify-server] [--timeout S] [--token-range A:B] [--layer-range A:B] [--source HEX]
 Exits 0 only when the receiver sent COMPLETE.
 """
 import argparse
@@ -36,6 +36,8 @@ class Sender:
         self.token = bytes.fromhex(a.token)
         self.psk = bytes.fromhex(a.psk) if a.psk else None
         self.chunk = a.chunk_size
+        # 5.1: one source id for this sender, in every OPEN on every connection
+        self.source = bytes.fromhex(a.source) if a.source else os.urandom(16)
         self.conns = []
         self.done = asyncio.get_event_loop().create_future()
         self.acked = set()
@@ -130,7 +132,7 @@ class Sender:
         ts, te = self.a.token_range
         ls, le = self.a.layer_range
         p = enc_open(c.tid, self.token, self.a.layout_hash, self.total, self.chunk, ts, te, ls, le,
-                     codecs, 0, self.a.request_id)
+                     codecs, 0, self.a.request_id, self.source)
         log(f"[c{c.idx}] -> OPEN tid={c.tid} total={self.total} chunk={self.chunk} codecs={codecs:#x} "
             f"tokens=[{ts},{te}) layers=[{ls},{le}) request_id={self.a.request_id!r}")
         c.send(OPEN, p)
@@ -371,6 +373,7 @@ def main():
     p.add_argument("--token-range", type=rng, default=(0, 0))
     p.add_argument("--layer-range", type=rng, default=(0, 0))
     p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--source", default=None, help="the 16-byte source id, hex (default: random)")
     a = p.parse_args()
 
     async def go():

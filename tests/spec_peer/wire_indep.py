@@ -24,7 +24,8 @@ CORE_TYPES = set(NAMES)
 CODES = {0: "UNSPECIFIED", 1: "VERSION_MISMATCH", 2: "INCOMPATIBLE_LAYOUT", 3: "AUTH_FAILED",
          4: "IDENTITY_REJECTED", 5: "PROTOCOL_ERROR", 6: "FRAME_TOO_LARGE", 7: "UNKNOWN_TOKEN",
          8: "TRANSFER_MISMATCH", 9: "CANCELLED", 10: "TIMEOUT", 11: "RESOURCE_LIMIT",
-         12: "SINK_ERROR", 13: "SOURCE_ERROR", 14: "SHUTDOWN", 15: "CHECKSUM", 16: "DECOMPRESS"}
+         12: "SINK_ERROR", 13: "SOURCE_ERROR", 14: "SHUTDOWN", 15: "CHECKSUM", 16: "DECOMPRESS",
+         17: "SOURCE_CONFLICT"}
 C = {v: k for k, v in CODES.items()}
 
 CAP_LZ4, CAP_ZSTD, CAP_SHUFFLE2 = 1, 2, 4
@@ -128,16 +129,23 @@ def dec_error(p):
 OPEN_FIX = struct.Struct("<Q16sQQIIIHHBBH")  # 60 bytes, then str request_id
 
 
-def enc_open(tid, token, layout_hash, total, chunk, tstart, tend, lstart, lend, codecs, prio, request_id):
-    return OPEN_FIX.pack(tid, token, layout_hash, total, chunk, tstart, tend, lstart, lend, codecs, prio, 0) + enc_str(request_id)
+def enc_open(tid, token, layout_hash, total, chunk, tstart, tend, lstart, lend, codecs, prio, request_id,
+             source=b""):
+    # revision 4 (5.1): the sender's 16-byte source id after request_id; b"" sends none
+    assert len(source) in (0, 16)
+    return (OPEN_FIX.pack(tid, token, layout_hash, total, chunk, tstart, tend, lstart, lend, codecs, prio, 0)
+            + enc_str(request_id) + source)
 
 
 def dec_open(p):
     need(p, 62, "OPEN")
     (tid, token, lh, total, chunk, ts, te, ls, le, codecs, prio, _r) = OPEN_FIX.unpack_from(p, 0)
-    rid, _ = dec_str(p, 60)
+    rid, end = dec_str(p, 60)
+    # 5.1: 16 bytes after request_id are the source id; fewer name none
+    source = bytes(p[end:end + 16]) if len(p) - end >= 16 else b""
     return dict(tid=tid, token=token, layout_hash=lh, total=total, chunk=chunk, token_start=ts,
-                token_end=te, layer_start=ls, layer_end=le, codecs=codecs, priority=prio, request_id=rid)
+                token_end=te, layer_start=ls, layer_end=le, codecs=codecs, priority=prio, request_id=rid,
+                source=source)
 
 
 def enc_ranges(tid, ranges):
