@@ -63,8 +63,8 @@ def _side(conn: Any, role: int, tls: str, tree: str | None, samples: int) -> Non
                 h = agent.expect(f"late{seq}", dst, 0, 16, timeout=30.0)
                 await until(t0 + AWAIT_AT)
                 st = await h
-                landed = bool((agent.cache[:, 0] == 1).all())  # the sender's page 1 holds 1
-                agent.cache[:, 0] = 0
+                landed = bool((agent._cache[:, 0] == 1).all())  # the sender's page 1 holds 1
+                agent._cache[:, 0] = 0
                 conn.send((st.finished, landed))
             else:
                 await until(t0 + SEND_AT)

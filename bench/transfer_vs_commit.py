@@ -33,7 +33,7 @@ from typing import Any
 
 def _bench_module() -> Any:
     """The transfer bench of the tree on PYTHONPATH: kvbridge_bench's (under
-    kvbench/, since the library and the bench were split), kvbridge.cli's
+    kvbench/, since the library and the bench were split), kvbridge_bench.cli's
     (before), kvbridge/transport/benchmark.py (before the reshape)."""
     import kvbridge
 

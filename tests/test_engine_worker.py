@@ -13,11 +13,12 @@ import pytest
 
 from kvbridge.errors import InvalidArgument, PeerGone
 from kvbridge.handoff import SamplingParams
-from kvbridge.handoff.driver import RequestSpec, prefill_request, run_main
+from kvbridge.handoff.driver import RequestSpec, prefill_request
 from kvbridge.handoff.messages import StreamTokens, decode
 from kvbridge.handoff.node import HandoffNode
 from kvbridge.handoff.stream import StreamMerge
 from kvbridge.handoff.worker import EngineWorker
+from kvbridge.pdd.aio import run_main
 from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
 from kvbridge_bench.sim.handoff_scenario import decode_alone
 from kvbridge_bench.sim.network import MemoryNetwork

@@ -20,6 +20,7 @@ from kvbridge.handoff import (
     SamplingParams,
 )
 from kvbridge.handoff.driver import Pace
+from kvbridge.pdd import RelayBudget
 from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
 from kvbridge_bench.sim.handoff_scenario import Scenario, ScenarioResult, decode_alone, run_scenario
 from kvbridge_bench.sim.network import LinkModel
@@ -173,7 +174,8 @@ def test_budget_cap_forces_handoff(decoders: tuple[ReferenceDecoder, ...]) -> No
         params=SamplingParams(max_new_tokens=60),
         handoff_after=12,
         main_kv_delay=0.1,
-        policy=HandoffPolicy(token_budget=12, min_budget=4, force=Mode.CATCH_UP),
+        policy=HandoffPolicy(force=Mode.CATCH_UP),
+        budget=RelayBudget(token_budget=12, min_budget=4),
     )
     res = run(sc, decoders)
     assert res.relay is not None and res.relay.commit_at == 12 and len(res.relay.tokens) == 12
@@ -191,7 +193,8 @@ def test_main_unreachable_or_dead_relay_finishes(
         main_kv_delay=0.0,
         handoff_after=5,
         relay_pace=Pace(decode_s=0.004),
-        policy=HandoffPolicy(token_budget=20, min_budget=4, force=Mode.CATCH_UP, threshold=2),
+        policy=HandoffPolicy(force=Mode.CATCH_UP, threshold=2),
+        budget=RelayBudget(token_budget=20, min_budget=4),
     )
     res = run(sc, decoders)
     assert res.stream.tokens == alone(decoders, sc)
@@ -216,7 +219,7 @@ def test_main_slow_relay_leaves_the_last_token_to_it(
     assert not res.relay.kept and len(res.relay.tokens) < 15
     assert res.main is not None and res.main.state is MainState.FINISHED
     old = dataclasses.replace(
-        sc, policy=dataclasses.replace(sc.policy, leave_last=False), main_kv_delay=1.5
+        sc, budget=dataclasses.replace(sc.budget, leave_last=False), main_kv_delay=1.5
     )
     res = run(old, decoders)
     assert res.stream.tokens == alone(decoders, sc)
@@ -242,8 +245,9 @@ def test_relay_dies_main_continues(after: int, decoders: tuple[ReferenceDecoder,
 
 
 def test_p_md_pipeline_without_relay(decoders: tuple[ReferenceDecoder, ...]) -> None:
-    from kvbridge.handoff.driver import collect_stream, prefill_request, run_main
+    from kvbridge.handoff.driver import prefill_request
     from kvbridge.handoff.node import HandoffNode
+    from kvbridge.pdd.aio import collect_stream, run_main
     from kvbridge_bench.sim.network import MemoryNetwork
 
     p, _, m = decoders

@@ -1,5 +1,5 @@
-"""Handoff policy: mode by load, the token budget, the commit rule and the
-catch-up convergence bound."""
+"""Handoff policy: mode by load, the commit rule and the catch-up
+convergence bound (the relay's budget: tests/test_pdd_core.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,6 @@ def test_mode_by_load() -> None:
     assert HandoffPolicy(force=Mode.ONE_SHOT).choose(0.0) is Mode.ONE_SHOT
 
 
-def test_budget_shrinks_with_load() -> None:
-    p = HandoffPolicy(busy_load=0.5, token_budget=200, min_budget=20)
-    assert p.budget(0.0) == p.budget(0.5) == 200
-    assert p.budget(1.0) == 20
-    values = [p.budget(x / 20) for x in range(21)]
-    assert values == sorted(values, reverse=True)
-
-
 def test_commit_rule() -> None:
     p = HandoffPolicy(threshold=64, max_rounds=3)
     assert p.should_commit(Mode.ONE_SHOT, 500, 0, None)
@@ -42,8 +34,7 @@ def test_bad_policy() -> None:
     for kw in (
         {"threshold": -1},
         {"busy_load": 1.5},
-        {"min_budget": 0},
-        {"token_budget": 8, "min_budget": 9},
+        {"max_rounds": -1},
     ):
         with pytest.raises(InvalidArgument):
             HandoffPolicy(**kw)  # type: ignore[arg-type]
@@ -85,32 +76,3 @@ def test_geometric_example() -> None:
     assert catch_up_rounds(640, 8, a=8.0, rho=0.0) is None  # fixed point at the threshold
     assert catch_up_rounds(640, 64, a=0.0, rho=0.0) == 1
     assert math.isclose(8.0 / 0.75, 10.666, rel_tol=1e-3)
-
-
-def test_the_dynamic_budget_covers_the_expected_wait_and_no_more() -> None:
-    from kvbridge.handoff import HandoffPolicy, RelaySide, RelayState, SamplingParams
-
-    pol = HandoffPolicy(token_budget=64, min_budget=8, eta_headroom=0.5, eta_min_extra=4)
-    assert pol.dynamic_budget(0.0, None) == 64  # unknown wait: the load's cap
-    assert pol.dynamic_budget(0.0, 10) == 19  # 10 * 1.5 + 4
-    assert pol.dynamic_budget(0.0, 0) == 4
-    assert pol.dynamic_budget(0.0, 1000) == 64  # never above the load's cap
-    assert pol.dynamic_budget(1.0, 1000) == 8  # which shrinks with the load
-    # the relay: the main decode is expected ready 0.2 s after its start, 50 ms a step
-    side = RelaySide(1, SamplingParams(0.0, max_new_tokens=100), pol)
-    side.set_eta(10.2, 0.05)
-    side.start(7, 10.0)
-    assert side.budget(10.0) == pol.dynamic_budget(0.0, 0.2 / 0.05 + 1)
-    t = 10.0
-    while side.state is RelayState.DECODING:
-        t += 0.05
-        side.on_token(7, t)
-    assert len(side.tokens) == pol.dynamic_budget(0.0, 5) == 12  # the wait, with headroom
-    assert side.state is RelayState.CAPPED
-    # at the cap it waits for READY until capped_wait past the expected time, then
-    # (and only then) keeps the request: the main decode counts as failed
-    deadline = side.next_deadline()
-    assert deadline is not None and deadline >= 10.2 + side.timeouts.capped_wait - 1e-9
-    assert side.poll(deadline - 0.01) == [] and not side.kept
-    side.poll(deadline)
-    assert side.state is RelayState.DEGRADED and side.kept

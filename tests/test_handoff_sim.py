@@ -35,6 +35,7 @@ from kvbridge.handoff import (
     encode,
 )
 from kvbridge.handoff.messages import StreamTokens
+from kvbridge.pdd import RelayBudget
 
 
 def token_at(i: int) -> int:
@@ -53,6 +54,7 @@ class Link:
 class Sim:
     n: int = 200  # max_new_tokens
     policy: HandoffPolicy = field(default_factory=HandoffPolicy)
+    budget: RelayBudget = field(default_factory=RelayBudget)
     timeouts: HandoffTimeouts = field(default_factory=HandoffTimeouts)
     relay_step: float = 0.02
     main_step: float = 0.02
@@ -69,7 +71,19 @@ class Sim:
     def run(self) -> SimResult:
         rng = random.Random(self.seed)
         params = SamplingParams(max_new_tokens=self.n)
-        relay = RelaySide(1, params, self.policy, self.timeouts)
+        budget = self.budget
+
+        def cap(produced: int, now: float) -> int:
+            return budget.tokens(
+                load=0.0,
+                produced=produced,
+                now=now,
+                eta=None,
+                step_s=None,
+                max_new_tokens=params.max_new_tokens,
+            )
+
+        relay = RelaySide(1, params, self.policy, self.timeouts, budget=cap)
         main = MainSide(1, params, 100, token_at(0), self.timeouts)
         merge = StreamMerge(1)
         emitted: Counter[int] = Counter()
@@ -191,13 +205,12 @@ def random_sim(seed: int, **kw: object) -> Sim:
     policy = HandoffPolicy(
         threshold=rng.choice([0, 4, 16, 64]),
         max_rounds=rng.randint(0, 6),
-        token_budget=rng.choice([20, 80, 512]),
-        min_budget=8,
         force=mode,
     )
     base = dict(
         n=rng.randint(1, 250),
         policy=policy,
+        budget=RelayBudget(token_budget=rng.choice([20, 80, 512]), min_budget=8),
         relay_step=rng.uniform(0.005, 0.03),
         main_step=rng.uniform(0.005, 0.03),
         extend_token=rng.uniform(0.0, 0.004),
@@ -291,9 +304,8 @@ def test_catch_up_rounds_within_model_bound() -> None:
                 extend_token=extend_token,
                 kv_at=kv_at,
                 link=Link(delay=0.02),
-                policy=HandoffPolicy(
-                    threshold=16, max_rounds=50, token_budget=100_000, force=Mode.CATCH_UP
-                ),
+                policy=HandoffPolicy(threshold=16, max_rounds=50, force=Mode.CATCH_UP),
+                budget=RelayBudget(token_budget=100_000),
                 timeouts=HandoffTimeouts(ack_per_token=0.01),
             )
             r = sim.run()
@@ -317,17 +329,18 @@ def test_one_shot_hands_everything_in_one_extend() -> None:
 
 
 def test_budget_cap_forces_handoff_and_degrades_without_main() -> None:
-    p = HandoffPolicy(token_budget=30, min_budget=8, force=Mode.CATCH_UP)
+    p = HandoffPolicy(force=Mode.CATCH_UP)
+    b = RelayBudget(token_budget=30, min_budget=8)
     # the relay stops at 30 tokens and waits (capped_wait 2 s) for the main decode
-    r = Sim(n=200, kv_at=2.0, policy=p).run()
+    r = Sim(n=200, kv_at=2.0, policy=p, budget=b).run()
     assert r.relay is not None and r.relay.commit_at == 30 and len(r.relay.tokens) == 30
     assert r.merged == expected(200) and r.duplicates == 0
     # the main decode is later than capped_wait: the relay keeps the request
-    r = Sim(n=200, kv_at=5.0, policy=p).run()
+    r = Sim(n=200, kv_at=5.0, policy=p, budget=b).run()
     assert (
         r.relay is not None and r.relay.state is RelayState.FINISHED and r.merged == expected(200)
     )
     assert r.main is not None and r.main.state is MainState.DROPPED
-    r = Sim(n=200, kv_at=5.0, policy=p, main_present=False).run()
+    r = Sim(n=200, kv_at=5.0, policy=p, budget=b, main_present=False).run()
     assert r.relay is not None and r.relay.state is RelayState.FINISHED
     assert r.merged == expected(200)

@@ -18,11 +18,12 @@ from tcp_support import arun
 
 from kvbridge.handoff import HandoffPolicy, HandoffTimeouts, Mode, SamplingParams
 from kvbridge.handoff.channel import RoutedChannel
-from kvbridge.handoff.driver import Pace, RequestSpec, prefill_request, run_main, run_relay
+from kvbridge.handoff.driver import Pace, RequestSpec, prefill_request
 from kvbridge.handoff.engine import Engine
 from kvbridge.handoff.messages import Kind, StreamTokens, decode
 from kvbridge.handoff.node import HandoffNode
 from kvbridge.handoff.stream import StreamMerge
+from kvbridge.pdd.aio import run_main, run_relay
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
 from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
 from kvbridge_bench.sim.handoff_scenario import decode_alone

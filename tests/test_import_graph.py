@@ -41,6 +41,7 @@ LAYERS: list[tuple[set[str], bool]] = [
     ({"layout", "_core", "_ucx"}, False),  # the compiled extensions know no Python layer
     ({"pack", "_pack"}, True),  # the public face and its implementation
     ({"wire", "cache", "router", "handoff"}, False),  # the sans-IO core (+ the handoff driver)
+    ({"pdd"}, False),  # the PDD orchestration core over the router and the handoff (+ its driver)
     ({"transport"}, False),
     ({"bridge"}, False),
     ({"integrations"}, False),
@@ -56,7 +57,7 @@ BENCH_LAYERS: list[tuple[set[str], bool]] = [
 # IO-free parts: no sockets, no event loop, no threads.
 SANS_IO = ["wire", "cache", "router", "layout", "pack", "_pack", "handoff.messages", "handoff.relay",
            "handoff.main", "handoff.policy", "handoff.stream", "handoff.outputs",
-           "handoff.params"]  # fmt: skip
+           "handoff.params", "pdd.core", "pdd.events", "pdd.budget"]  # fmt: skip
 IO_MODULES = {"asyncio", "socket", "ssl", "uvloop", "selectors", "concurrent"}
 
 # transports stay independent: importing one never pulls in another's dependencies

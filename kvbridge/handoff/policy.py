@@ -1,5 +1,6 @@
-"""Handoff policy: one-shot or catch-up by the relay's live load, when a
-catch-up round ends in the commit, and the relay's token budget.
+"""Handoff policy: one-shot or catch-up by the relay's live load, and when a
+catch-up round ends in the commit.  (The relay's token budget is the PDD
+core's: :mod:`kvbridge.pdd.budget`.)
 
 Convergence of catch-up.  Let the relay decode one token every ``d`` seconds,
 and let a round that hands ``g`` tokens take ``rtt + e0 + e1 * g`` (the round
@@ -36,62 +37,25 @@ class HandoffPolicy:
     """``threshold``: a gap above it starts catch-up rounds (default 64).
     ``max_rounds``: catch-up rounds before the commit is forced.
     ``busy_load``: relay load (0..1) from which one-shot is chosen (free the
-    relay fast); below it catch-up (smooth the stall).  ``token_budget``: the
-    relay's output cap below ``busy_load``; it shrinks linearly to
-    ``min_budget`` at load 1.  ``force``: always use this mode.
-    ``eta_headroom``, ``eta_min_extra``: the dynamic budget's margin over the
-    expected wait for the main decode (:meth:`dynamic_budget`).
-    ``leave_last``: the budget never reaches the request's last token, so a
-    request ends on the main decode unless the main decode fails (the
-    pipeline P-RLD is excluded); False lets a fast relay finish it."""
+    relay fast); below it catch-up (smooth the stall).  ``force``: always
+    use this mode."""
 
     threshold: int = 64
     max_rounds: int = 4
     busy_load: float = 0.75
-    token_budget: int = 512
-    min_budget: int = 32
     force: Mode | None = None
-    eta_headroom: float = 0.5
-    eta_min_extra: int = 4
-    leave_last: bool = True
 
     def __post_init__(self) -> None:
         if self.threshold < 0 or self.max_rounds < 0:
             raise InvalidArgument("threshold and max_rounds must be >= 0")
         if not 0.0 <= self.busy_load <= 1.0:
             raise InvalidArgument(f"busy_load must be in [0, 1]: {self.busy_load}")
-        if not 1 <= self.min_budget <= self.token_budget:
-            raise InvalidArgument("need 1 <= min_budget <= token_budget")
-        if self.eta_headroom < 0 or self.eta_min_extra < 0:
-            raise InvalidArgument("eta_headroom and eta_min_extra must be >= 0")
 
     def choose(self, load: float) -> Mode:
         """The mode of a handoff that starts now, at relay load ``load``."""
         if self.force is not None:
             return self.force
         return Mode.ONE_SHOT if load >= self.busy_load else Mode.CATCH_UP
-
-    def budget(self, load: float) -> int:
-        """How many tokens the relay may generate for a request at ``load``."""
-        load = min(max(load, 0.0), 1.0)
-        if load <= self.busy_load or self.busy_load >= 1.0:
-            return self.token_budget
-        frac = (1.0 - load) / (1.0 - self.busy_load)
-        return max(
-            self.min_budget, int(self.min_budget + frac * (self.token_budget - self.min_budget))
-        )
-
-    def dynamic_budget(self, load: float, wait_tokens: float | None) -> int:
-        """The relay's token budget for a request whose main decode is expected
-        ready after ``wait_tokens`` more relay steps (None: unknown): enough
-        to cover that wait with headroom (``wait * (1 + eta_headroom) +
-        eta_min_extra``), never more than :meth:`budget` at this load.  The
-        relay only hides the transfer: it stays small."""
-        cap = self.budget(load)
-        if wait_tokens is None:
-            return cap
-        need = math.ceil(max(wait_tokens, 0.0) * (1.0 + self.eta_headroom)) + self.eta_min_extra
-        return max(1, min(cap, need))
 
     def should_commit(self, mode: Mode, gap: int, rounds_done: int, prev_gap: int | None) -> bool:
         """Whether the next handoff message is the commit (else a catch-up round)."""

@@ -17,6 +17,7 @@ step while :attr:`RelaySide.want_decode` is true.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from ..errors import InvalidArgument, RemoteProtocolError
 from .messages import Ack, Done, DoneReason, HandoffMessage, Ready, Source, StreamTokens, Tokens
@@ -46,8 +47,10 @@ class RelaySide:
         params: SamplingParams,
         policy: HandoffPolicy | None = None,
         timeouts: HandoffTimeouts | None = None,
+        budget: Callable[[int, float], int] | None = None,
     ) -> None:
         self.request_id = request_id
+        self._budget = budget
         self.params = params
         self.policy = policy or HandoffPolicy()
         self.timeouts = timeouts or HandoffTimeouts()
@@ -63,7 +66,6 @@ class RelaySide:
         self.in_flight: Tokens | None = None
         self.retries = 0
         self.eta: float | None = None  # when the main decode is expected ready
-        self.step_s: float | None = None  # seconds per relay step, for the budget
         # the main decode failed (gone, silent or too late): the relay keeps the
         # request to its end (False again if the main decode switches after all)
         self.kept = False
@@ -95,27 +97,19 @@ class RelaySide:
         """The relay's live load (0..1), read by the policy."""
         self.load = load
 
-    def set_eta(self, eta: float, step_s: float) -> None:
-        """The main decode is expected ready at ``eta`` (same clock as ``now``)
-        and the relay makes a token every ``step_s``: the budget covers that
-        wait (:meth:`HandoffPolicy.dynamic_budget`), and at the cap the relay
-        waits for READY until ``capped_wait`` past ``eta``."""
-        if not step_s > 0:
-            raise InvalidArgument(f"step_s must be positive, got {step_s}")
-        self.eta, self.step_s = eta, step_s
+    def set_eta(self, eta: float) -> None:
+        """The main decode is expected ready at ``eta`` (same clock as ``now``):
+        at the cap the relay waits for READY until ``capped_wait`` past it."""
+        self.eta = eta
 
     def budget(self, now: float) -> int:
-        """The token budget now (live load, expected wait); below the last
-        token with ``policy.leave_last``: only a failed main decode lets the
-        relay finish a request."""
-        if self.eta is None or self.step_s is None:
-            b = self.policy.budget(self.load)
-        else:
-            wait = (self.eta - now) / self.step_s + len(self.tokens)
-            b = self.policy.dynamic_budget(self.load, wait)
-        if self.policy.leave_last and self.params.max_new_tokens > 1:
-            b = min(b, self.params.max_new_tokens - 1)
-        return b
+        """How many tokens the relay may generate: ``budget(produced, now)``
+        as given (the PDD core's dynamic budget, :mod:`kvbridge.pdd.budget`),
+        else all but the last token (only a failed main decode lets the
+        relay finish a request)."""
+        if self._budget is not None:
+            return max(1, self._budget(len(self.tokens), now))
+        return max(1, self.params.max_new_tokens - 1)
 
     # ---- events ----------------------------------------------------------------
     def start(self, first_token: int, now: float) -> list[Output]:

@@ -155,7 +155,12 @@ def _kvb_agent(side: _Side, opts: dict[str, Any]) -> Any:
     from kvbridge.transport.ucx import UcxAgent
 
     return UcxAgent(
-        side.scen.layout, kvb_cache_view(side.buf, side.scen), staging_bytes=0, timeout=300, **opts
+        side.scen.layout,
+        kvb_cache_view(side.buf, side.scen),
+        staging_bytes=0,
+        timeout=300,
+        psk=b"kvbridge bench pair",  # UCX agents take only authenticated peers
+        **opts,
     )
 
 

@@ -175,6 +175,7 @@ async def _kv_runs(args: argparse.Namespace, bar: Any) -> tuple[list[float], int
 async def _token_runs(args: argparse.Namespace, mode: str, bar: Any) -> dict[str, Any]:
     from kvbridge.handoff import HandoffPolicy, HandoffTimeouts, Mode, SamplingParams
     from kvbridge.handoff.driver import Pace
+    from kvbridge.pdd import RelayBudget
     from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
     from kvbridge_bench.sim.handoff_scenario import Scenario, run_scenario
     from kvbridge_bench.sim.network import LinkModel
@@ -185,9 +186,7 @@ async def _token_runs(args: argparse.Namespace, mode: str, bar: Any) -> dict[str
     m = ReferenceDecoder(cfg, cfg.kv_layout(page_tokens=16), 64)
     wan = Wan(args.delay_ms, args.jitter_ms, args.gbps, args.segment_loss, args.rto_ms).model()
     pace = Pace(args.decode_ms / 1e3, args.extend_base_ms / 1e3, args.extend_token_ms / 1e3)
-    policy = HandoffPolicy(
-        threshold=args.threshold, max_rounds=8, token_budget=4096, force=Mode(mode)
-    )
+    policy = HandoffPolicy(threshold=args.threshold, max_rounds=8, force=Mode(mode))
     timeouts = HandoffTimeouts(ack_timeout=2.0, ack_per_token=0.01, relay_timeout=20.0)
     lat, stalls, handed, peer_bytes, rounds, median_gap = [], [], [], [], [], []
     for i in range(args.warmup + args.runs):
@@ -195,6 +194,7 @@ async def _token_runs(args: argparse.Namespace, mode: str, bar: Any) -> dict[str
             prompt=tuple(range(1, 33)),
             params=SamplingParams(max_new_tokens=N_TOKENS + 40),
             policy=policy,
+            budget=RelayBudget(token_budget=4096),
             timeouts=timeouts,
             request_id=i + 1,
             handoff_after=N_TOKENS - int(args.delay_ms / max(args.decode_ms, 1e-3)),

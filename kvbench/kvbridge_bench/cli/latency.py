@@ -608,13 +608,14 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
     async def main() -> None:
         ca = np.zeros(lay.cache_shape(2), dtype=np.uint16)
         cb = np.zeros(lay.cache_shape(2), dtype=np.uint16)
-        a = UcxAgent(lay, ca, staging_bytes=0, min_put_run_bytes=0)
-        b = UcxAgent(lay, cb, staging_bytes=0, min_put_run_bytes=0)
+        key = b"kvbridge bench pair"
+        a = UcxAgent(lay, ca, staging_bytes=0, min_put_run_bytes=0, psk=key)
+        b = UcxAgent(lay, cb, staging_bytes=0, min_put_run_bytes=0, psk=key)
         peer = await a.connect(b.metadata())
         bt = np.array([0], dtype=np.int64)
         for i in range(100):
             await peer.send(f"w{i}", bt, bt, 0, 16)
-        plan = peer.plan
+        plan = peer._plan
         timed("page runs in C++ (RunPlan.runs)", lambda: plan.runs(bt, bt, 0, 16, 0, 1))
         timed(
             "DONE message encoding in C++ (for scale; put_range does it)",
@@ -625,7 +626,7 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
         for _ in range(n):
             t0 = time.perf_counter()
             _, status, _, _ = eng.put_range(
-                peer.ep, plan, bt, bt, 0, 16, 0, 1, b"r", 0, a.busy_poll_us
+                peer._ep, plan, bt, bt, 0, 16, 0, 1, b"r", 0, a._busy_poll_us
             )
             ts.append(time.perf_counter() - t0)
             inline += status == 0
@@ -636,7 +637,7 @@ def breakdown(tls: str, size: int, n: int = 2000) -> list[tuple[str, float]]:
                 statistics.median(ts) * 1e6,
             )
         )
-        timed("handle creation", lambda: a.new_handle("r", "send", size, 30.0, armed=False))
+        timed("handle creation", lambda: a._new_handle("r", "send", size, 30.0, armed=False))
         loop = asyncio.get_running_loop()
         ts = []
         for _ in range(n):

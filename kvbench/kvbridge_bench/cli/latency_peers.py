@@ -138,7 +138,10 @@ async def _ucx_pair(conn: Any, role: int, lay: Any, opts: dict[str, Any], fill: 
     cache = np.zeros(lay.cache_shape(2), dtype=np.uint16)
     if fill:
         cache[:, 1] = role + 1
-    agent = UcxAgent(lay, cache, staging_bytes=0, min_put_run_bytes=0, **opts)
+    # the pair shares a key: UCX agents take only authenticated peers
+    agent = UcxAgent(
+        lay, cache, staging_bytes=0, min_put_run_bytes=0, psk=b"kvbridge bench pair", **opts
+    )
     conn.send(("info", agent.metadata()))
     other = conn.recv()
     peer = await agent.connect(other) if role == 0 else None
@@ -226,7 +229,7 @@ def _kvb_ucx_engine(conn: Any, role: int, size: int, opts: dict[str, Any]) -> No
         agent, peer = await _ucx_pair(conn, role, lay, opts, fill=True)
         src, dst = np.array([1]), np.array([0])
         prepared = peer.prepare_send(src, dst, 0, 16)
-        eng, ep, prep, spin = agent._engine, peer.ep, prepared._prepared, agent.busy_poll_us
+        eng, ep, prep, spin = agent._engine, peer._ep, prepared._prepared, agent._busy_poll_us
         me, them = ("a", "b") if role == 0 else ("b", "a")
 
         def take(he: Any) -> int:
@@ -270,10 +273,10 @@ def _kvb_ucx_engine(conn: Any, role: int, size: int, opts: dict[str, Any]) -> No
                     got = await wait(he)
                     send(f"{me}{seq}")
                 if got >= 0:  # accounted in Python after the reply left
-                    agent.expectations.on_landed(he.token, got, None, 0, True)
+                    agent._expectations.on_landed(he.token, got, None, 0, True)
                 await he
                 seq += 1
-            if not (agent.cache[:, 0] == 2 - role).all():  # the other side's page 1
+            if not (agent._cache[:, 0] == 2 - role).all():  # the other side's page 1
                 raise KVBridgeError("the landing page does not hold the other side's bytes")
             conn.send(("samples", one_way, sender))
         await agent.close()

@@ -34,7 +34,16 @@ from typing import Any
 from kvbridge.errors import Unavailable
 from kvbridge.handoff.messages import Source, StreamTokens, decode
 from kvbridge.handoff.params import SamplingParams
-from kvbridge.handoff.stream import StreamMerge
+from kvbridge.pdd import (
+    ClientOpen,
+    ClientStream,
+    Deliver,
+    Finish,
+    PddConfig,
+    PddCore,
+    Role,
+    StreamDone,
+)
 
 from ..sim.trace import generate_agent_trace
 from .config import PAPER, DemoConfig
@@ -219,10 +228,11 @@ class DemoResult:
 
 
 class _Client:
-    """The user: merges each request's stream from whichever decode sends it."""
+    """The user: the PDD core's exactly-once merge of each request's stream
+    from whichever decode sends it."""
 
     def __init__(self) -> None:
-        self.merges: dict[int, StreamMerge] = {}
+        self.core = PddCore(PddConfig(gap_timeout=30.0, idle_timeout=60.0))
         self.records: dict[int, RequestRecord] = {}
         self.done: dict[int, asyncio.Event] = {}
         self.early: dict[int, list[StreamTokens]] = {}
@@ -230,17 +240,14 @@ class _Client:
         self.rld_stats: dict[int, dict[str, Any]] = {}
 
     def open(self, rec: RequestRecord) -> None:
-        now = time.monotonic()
         self.records[rec.request_id] = rec
-        self.merges[rec.request_id] = StreamMerge(
-            rec.request_id, gap_timeout=30.0, idle_timeout=60.0, now=now
-        )
+        self.core.handle(ClientOpen(rec.request_id, time.monotonic()))
         self.done[rec.request_id] = asyncio.Event()
         for msg in self.early.pop(rec.request_id, []):
             self._push(msg)
 
     def close(self, rid: int) -> None:
-        self.merges.pop(rid, None)
+        self.core.handle(Finish(rid, time.monotonic(), Role.CLIENT))
         self.records.pop(rid, None)
         self.done.pop(rid, None)
         self.md_stats.pop(rid, None)
@@ -251,7 +258,7 @@ class _Client:
         if op == "stream":
             msg = decode(bytes.fromhex(ev["p"]), int(ev["t"]))
             if isinstance(msg, StreamTokens):
-                if msg.request_id in self.merges:
+                if msg.request_id in self.records:
                     self._push(msg)
                 else:
                     self.early.setdefault(msg.request_id, []).append(msg)
@@ -262,16 +269,17 @@ class _Client:
 
     def _push(self, msg: StreamTokens) -> None:
         rid = msg.request_id
-        merge, rec = self.merges[rid], self.records[rid]
+        rec = self.records[rid]
         now = time.monotonic()
-        new = merge.push(msg, now)
-        rec.tokens.extend(new)
-        rec.arrivals.extend([now] * len(new))
-        rec.sources += ("R" if msg.source is Source.RELAY else "M") * len(new)
-        if msg.source is Source.RELAY:
-            rec.relay_tokens += len(new)
-        if merge.done:
-            self.done[rid].set()
+        for c in self.core.handle(ClientStream(msg, now)):
+            if isinstance(c, Deliver):
+                rec.tokens.extend(c.tokens)
+                rec.arrivals.extend([now] * len(c.tokens))
+                rec.sources += ("R" if c.source is Source.RELAY else "M") * len(c.tokens)
+                if c.source is Source.RELAY:
+                    rec.relay_tokens += len(c.tokens)
+            elif isinstance(c, StreamDone):
+                self.done[rid].set()
 
 
 def _check(got: list[int], ref: tuple[list[int], list[float]]) -> tuple[str, Any]:

@@ -59,7 +59,7 @@ from kvbridge.errors import (
     TransferTimeout,
 )
 from kvbridge.handoff.channel import RoutedChannel
-from kvbridge.handoff.driver import RequestSpec, run_main, run_relay
+from kvbridge.handoff.driver import RequestSpec
 from kvbridge.handoff.engine import Engine
 from kvbridge.handoff.messages import Kind, Start, decode, encode
 from kvbridge.handoff.node import HandoffNode
@@ -68,6 +68,8 @@ from kvbridge.handoff.params import SamplingParams
 from kvbridge.handoff.policy import HandoffPolicy
 from kvbridge.handoff.worker import EngineWorker
 from kvbridge.pack import PagedKVCache
+from kvbridge.pdd import Arrive, Finish, KVSent, PddConfig, PddCore, PrefillDone, RelayBudget, Route
+from kvbridge.pdd.aio import run_main, run_relay
 from kvbridge.router import BandwidthEstimator, Pipeline, PrefillEstimator, Router, RouterConfig
 from kvbridge.transport.tcp.sender import TcpSender
 
@@ -103,6 +105,17 @@ def handoff_timeouts(cfg: DemoConfig) -> HandoffTimeouts:
         max_retries=cfg.handoff_max_retries,
         capped_wait=cfg.relay_fail_after_s,
         relay_timeout=cfg.handoff_relay_timeout_s,
+    )
+
+
+def pdd_config(cfg: DemoConfig) -> PddConfig:
+    """The PDD core's settings of every role (each role uses its part)."""
+    return PddConfig(
+        handoff=HandoffPolicy(threshold=cfg.handoff_threshold),
+        budget=RelayBudget(token_budget=cfg.relay_token_budget, min_budget=cfg.relay_min_budget),
+        timeouts=handoff_timeouts(cfg),
+        relay_capacity=cfg.relay_capacity,
+        step_prior_s=cfg.relay_step_prior_s,
     )
 
 
@@ -189,6 +202,7 @@ class MainDecode(_Role):
             cfg, self.layout, cfg.md_pages, CachePages(self.radix, self.allocator, self.lock)
         )
         self.worker = EngineWorker(self.engine, name="md")
+        self.core = PddCore(pdd_config(cfg))
         self.bridge = DecodeBridge(
             PagedKVCache(self.layout, self.engine.kv_cache),
             identity="main-decode",
@@ -371,7 +385,7 @@ class MainDecode(_Role):
                 load_kv,
                 relay="rld" if start.relayed else None,
                 client="client",
-                timeouts=handoff_timeouts(cfg),
+                core=self.core,
                 kv_timeout=cfg.request_timeout_s,
                 worker=w,
             )
@@ -431,8 +445,8 @@ class RelayDecode(_Role):
         )
         await self.bridge.start()
         self.md: TcpSender | None = None
-        self.active = 0
-        self.step_s = cfg.relay_step_prior_s
+        # the relay's load, its seconds per step and every request's budget
+        self.core = PddCore(pdd_config(cfg))
         self.starts: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
     async def teardown(self) -> None:
@@ -485,12 +499,6 @@ class RelayDecode(_Role):
             fut.set_result({**msg, "t": asyncio.get_running_loop().time()})
         return {}
 
-    def _step_s(self) -> float:
-        w = self.worker
-        if w is not None and w.stats.passes >= 4:
-            self.step_s = 0.7 * self.step_s + 0.3 * (w.stats.busy_s / max(w.stats.passes, 1))
-        return self.step_s
-
     async def _run(
         self, rid: int, prompt: list[int], params: SamplingParams, mode: str, exp: Expectation
     ) -> None:
@@ -498,7 +506,6 @@ class RelayDecode(_Role):
         stats: dict[str, Any] = {"rid": rid, "mode_asked": mode}
         w = self.worker
         assert w is not None
-        self.active += mode == "relay"
         try:
             start = await asyncio.wait_for(self.starts[rid], cfg.request_timeout_s)
             spec = RequestSpec(rid, tuple(prompt), int(start["first"]), params)
@@ -516,17 +523,12 @@ class RelayDecode(_Role):
                     load_kv,
                     relay=None,
                     client="client",
+                    core=self.core,
                     kv_timeout=cfg.request_timeout_s,
                     worker=w,
                 )
                 stats.update(state=res.state.name, served=True)
                 return
-            eta_at = float(start["t"]) + float(start.get("eta_s", 0.0))
-            policy = HandoffPolicy(
-                threshold=cfg.handoff_threshold,
-                token_budget=cfg.relay_token_budget,
-                min_budget=cfg.relay_min_budget,
-            )
             rel = await run_relay(
                 self.engine,
                 spec,
@@ -534,12 +536,11 @@ class RelayDecode(_Role):
                 load_kv,
                 main="md",
                 client="client",
-                policy=policy,
-                timeouts=handoff_timeouts(cfg),
+                core=self.core,
                 kv_timeout=cfg.request_timeout_s,
-                load=lambda: min(1.0, self.active / cfg.relay_capacity),
                 worker=w,
-                eta=lambda: (eta_at, self._step_s()),
+                eta_at=float(start["t"]) + float(start.get("eta_s", 0.0)),
+                engine_stats=lambda: (w.stats.busy_s, w.stats.passes),
             )
             stats.update(
                 relay_tokens=len(rel.tokens),
@@ -555,7 +556,6 @@ class RelayDecode(_Role):
             with contextlib.suppress(Exception):
                 await w.call(self.engine.free, rid)
         finally:
-            self.active -= mode == "relay"
             self.starts.pop(rid, None)
             await self.control.push({"op": "rld_done", **stats})
 
@@ -580,7 +580,7 @@ class Prefill(_Role):
         )
         self.replies: dict[int, asyncio.Future[PrefixReply]] = {}
         self.rld: ControlClient | None = None
-        self.router = Router(
+        router = Router(
             self.layout,
             RouterConfig(
                 ttft_target_s=cfg.ttft_target_s,
@@ -596,9 +596,8 @@ class Prefill(_Role):
             BandwidthEstimator(prior_bps=cfg.wan_rate_bps / 8 * 0.9, min_bytes=1 << 20),
             PrefillEstimator(prior_token_s=0.003, prior_base_s=0.03),
         )
-        self.md_inflight = 0
-        self.queued_tokens = 0
-        self.queued_requests = 0
+        # the route, the dual-path destinations, the WAN's and the prefill's queues
+        self.core = PddCore(pdd_config(cfg), router)
         self.pipeline = "pdd"
         self.prompts: dict[int, tuple[list[int], float]] = {}  # for PREFIX_FETCH
         self.warm_pins: list[Any] = []
@@ -725,28 +724,24 @@ class Prefill(_Role):
             # FETCH: kept while the lease lasts, for a PREFIX_FETCH of this request
             self.prompts[rid] = (prompt, time.monotonic() + rep.lease_ms / 1e3)
         matched = reply.matched_tokens if reply is not None else 0
-        # 2. the router: P-MD, P-RLD-MD, or (anomalous filter) P-RLD
-        eta_s = 0.0
+        # 2. the PDD core routes: P-MD, P-RLD-MD, or (anomalous filter) P-RLD;
+        # the other pipelines are fixed (same_dc: the relay serves it, "P-D")
+        fixed = {"pdd": None, "same_dc": Pipeline.P_RLD}.get(pipeline, Pipeline.P_MD)
+        (rt,) = self.core.handle(
+            Arrive(rid, n, matched, params.max_new_tokens, t_arrive, compute_est, fixed)
+        )
+        assert isinstance(rt, Route)
+        eta_s = rt.eta_s
         if pipeline == "pdd":
-            d = self.router.decide(
-                str(rid),
-                n,
-                matched,
-                params.max_new_tokens,
-                queued_bytes=self.md_inflight,
-                compute_tokens=compute_est,
-                queued_tokens=self.queued_tokens,
-                queued_requests=self.queued_requests,
-            )
-            route, reason, eta_s = d.pipeline.value, d.reason.value, d.wan_s
+            route, reason = rt.pipeline.value, rt.reason
         elif pipeline == "same_dc":
             route, reason = "P-D", "same datacenter"
         else:
-            route, reason = Pipeline.P_MD.value, "no relay in this pipeline"
-        to_md = route in (Pipeline.P_MD.value, Pipeline.P_RLD_MD.value)
-        to_rld = route != Pipeline.P_MD.value
-        relayed = route == Pipeline.P_RLD_MD.value
-        if not to_md and reply is not None and reply.lease_id:
+            route, reason = rt.pipeline.value, "no relay in this pipeline"
+        to_md = "md" in rt.destinations
+        to_rld = "rld" in rt.destinations
+        relayed = rt.relayed
+        if rt.cancel_main and reply is not None and reply.lease_id:
             # P-RLD: the main decode will not get this request
             md.send_control(
                 *encode_prefix_message(PrefixCancel(rid, reply.lease_id, CancelReason.REROUTED))
@@ -764,16 +759,14 @@ class Prefill(_Role):
                 )
             )
         # 4. prefill on the engine's worker thread (one at a time: it is compute-bound)
-        self.queued_tokens += compute_est
-        self.queued_requests += 1
         t_queue = time.monotonic()
         try:
             done: Prefilled = await w.call(self.prefix.prefill, rid, prompt, params)
-        finally:
-            self.queued_tokens -= compute_est
-            self.queued_requests -= 1
+        except BaseException:
+            self.core.handle(Finish(rid, time.monotonic()))
+            raise
         t_prefilled = time.monotonic()
-        self.router.prefill.observe(done.computed, done.seconds)
+        self.core.handle(PrefillDone(rid, done.computed, done.seconds, t_prefilled))
         first = done.first_token
         out: dict[str, Any] = {
             "pipeline": route,
@@ -800,13 +793,11 @@ class Prefill(_Role):
                 r = await prep
                 tickets["rld"] = bytes.fromhex(r["ticket"])
                 await self.rld.call("start", rid=rid, first=first, eta_s=eta_s)
-            md_bytes = self.layout.wire_nbytes(n - matched) if "md" in tickets else 0
-            self.md_inflight += md_bytes
             try:
                 ms = self.bridge.send(rid, done.block_table, tickets, timeout=cfg.request_timeout_s)
                 results = await ms.wait_all(cfg.request_timeout_s + 5)
             finally:
-                self.md_inflight -= md_bytes
+                self.core.handle(Finish(rid, time.monotonic()))  # off the WAN's queue
         finally:
             await w.call(self.prefix.release, rid, done)
             now = time.monotonic()
@@ -820,8 +811,8 @@ class Prefill(_Role):
                 out[f"{name}_wire_bytes"] = res.wire_bytes
                 out[f"{name}_s"] = res.seconds
                 out[f"{name}_path"] = res.path
-                if name == "md" and res.seconds > 0:
-                    self.router.observe_transfer(res.bytes, res.seconds)
+                if name == "md":
+                    self.core.handle(KVSent(rid, name, res.bytes, res.seconds, time.monotonic()))
         return out
 
 

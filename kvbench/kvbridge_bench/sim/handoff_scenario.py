@@ -20,10 +20,7 @@ from kvbridge.handoff.driver import (
     RelayResult,
     RequestSpec,
     StreamResult,
-    collect_stream,
     prefill_request,
-    run_main,
-    run_relay,
 )
 from kvbridge.handoff.engine import Engine
 from kvbridge.handoff.messages import Kind, StreamTokens, decode
@@ -32,6 +29,8 @@ from kvbridge.handoff.outputs import HandoffTimeouts
 from kvbridge.handoff.params import SamplingParams
 from kvbridge.handoff.policy import HandoffPolicy
 from kvbridge.handoff.sampling import sample
+from kvbridge.pdd.aio import collect_stream, make_core, run_main, run_relay
+from kvbridge.pdd.budget import RelayBudget
 
 from .network import LinkModel, MemoryChannel, MemoryNetwork
 
@@ -50,6 +49,7 @@ class Scenario:
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
     policy: HandoffPolicy = field(default_factory=HandoffPolicy)
+    budget: RelayBudget = field(default_factory=RelayBudget)
     timeouts: HandoffTimeouts = field(default_factory=HandoffTimeouts)
     request_id: int = 1
     relay_kv_delay: float = 0.0
@@ -195,9 +195,7 @@ async def run_scenario(
                         _loader(wire, sc.relay_kv_delay),
                         main="main",
                         client="client",
-                        policy=sc.policy,
-                        timeouts=sc.timeouts,
-                        load=lambda: sc.relay_load,
+                        core=make_core(sc.policy, sc.budget, sc.timeouts, relay_load=sc.relay_load),
                         pace=sc.relay_pace,
                     ),
                 ),
