@@ -35,8 +35,8 @@ from kvbridge.pdd import (
     SendHandoff,
     StreamDone,
 )
-from kvbridge.reference import DecoderConfig, ReferenceDecoder
-from kvbridge.sim.handoff_scenario import Scenario, decode_alone, run_scenario
+from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
+from kvbridge_bench.sim.handoff_scenario import Scenario, decode_alone, run_scenario
 
 CFG = DecoderConfig(
     num_layers=2,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbridge.cli.vllm_cluster import ClusterSpec
+from kvbridge_bench.cli.vllm_cluster import ClusterSpec
 
 # float32: vLLM's CPU kernels round differently for a one-token decode step and
 # a multi-token prefill; in bf16 that flips near-ties between equal

@@ -3,9 +3,12 @@
 :class:`FrameConnection` is an :class:`asyncio.BufferedProtocol` around the
 sans-IO :class:`~kvbridge.wire.FrameDecoder`: the event loop reads straight
 into the decoder's buffers (a DATA payload lands in its own allocation), every
-decoded message goes to ``handler``.  It owns keepalive (PING when idle, close
-with :class:`PeerGone` when the peer is silent), write flow control
-(:meth:`drain`) and read backpressure (:meth:`hold_reading`).
+decoded message goes to ``handler``.  The keepalive rules (PING when idle,
+PONG, ERROR, close with :class:`PeerGone` when the peer is silent) are the
+sans-IO :class:`~kvbridge.wire.connection.Keepalive`: this driver tells it
+of every read and write, runs its timer and carries out what it returns.  It
+owns write flow control (:meth:`drain`) and read backpressure
+(:meth:`hold_reading`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from ...errors import (
     PeerGone,
     RemoteProtocolError,
     code_for_error,
-    error_for_code,
     map_os_error,
 )
 from ...wire.codec import FrameDecoder, encode_frame_parts
+from ...wire.connection import Close, Keepalive, Send
 from ...wire.frames import (
     CONTROL_FIRST,
     Auth,
@@ -40,8 +43,6 @@ from ...wire.frames import (
     Hello,
     HelloAck,
     Message,
-    Ping,
-    Pong,
     Ready,
 )
 from ...wire.handshake import ClientHandshake, PeerInfo, ServerHandshake
@@ -96,12 +97,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         # bound, and once it is silent to us, keepalive drops it
         self._replies_only = replies_only
         self._held_for_writes = False
-        self._last_rx = time.monotonic()
-        self._last_tx = time.monotonic()
+        self.keepalive = Keepalive(keepalive_interval, keepalive_timeout, time.monotonic())
         self._corked = 0  # nesting depth of cork()
         self._out: list[bytes | memoryview] = []  # frames sent while corked
         self._keepalive: asyncio.Task[None] | None = None
-        self._ping_ids = itertools.count(1)
         self.peername: object = None
 
     # ---- asyncio protocol -----------------------------------------------------------------
@@ -115,7 +114,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         return self.decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._last_rx = time.monotonic()
+        self.keepalive.received(time.monotonic())
         self._corked += 1  # the replies to this read leave in one write
         try:
             self.decoder.buffer_updated(nbytes)
@@ -154,16 +153,16 @@ class FrameConnection(asyncio.BufferedProtocol):
 
     # ---- dispatch ------------------------------------------------------------------------
     def _dispatch(self, m: Message) -> None:
-        if isinstance(m, Ping):
-            self.send(Pong(m.nonce))
-            return
-        if isinstance(m, Pong):
-            return
-        if isinstance(m, Error):
-            self.close_error = error_for_code(m.code, m.reason, connection=True)
-            if self.handler is None:
-                self._inbox.put_nowait(self.close_error)
-            self.abort_transport()
+        outs = Keepalive.receive(m)  # PING, PONG, ERROR: at any time
+        if outs is not None:
+            for o in outs:
+                if isinstance(o, Send):
+                    self.send(o.message)
+                else:  # the peer's ERROR: the connection ends with its error
+                    self.close_error = o.error
+                    if self.handler is None:
+                        self._inbox.put_nowait(o.error)
+                    self.abort_transport()
             return
         if self.handler is None:
             self._inbox.put_nowait(m)
@@ -198,7 +197,7 @@ class FrameConnection(asyncio.BufferedProtocol):
             self.transport.write(parts[0])
         else:
             self.transport.writelines(parts)
-        self._last_tx = time.monotonic()
+        self.keepalive.sent(time.monotonic())
 
     def cork(self) -> None:
         """Hold the frames sent from now on until the matching :meth:`uncork`
@@ -290,20 +289,21 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.decoder.max_payload = n
 
     async def _keepalive_loop(self) -> None:
-        step = min(self.keepalive_interval, self.keepalive_timeout / 4)
+        """The keepalive timer: sleeps until the rules' next deadline (reads
+        and writes move it), then carries out their verdict."""
+        ka = self.keepalive
         while not self.closed:
-            await asyncio.sleep(step)
-            now = time.monotonic()
-            if now - self._last_rx > self.keepalive_timeout:
-                self.fail(
-                    PeerGone(f"peer silent for {now - self._last_rx:.1f} s (keepalive timeout)"),
-                    send_error=False,
-                )
-                self.abort_transport()  # nothing to flush to a peer that is gone
-                return
-            if now - self._last_tx >= self.keepalive_interval:
-                with contextlib.suppress(KVBridgeError):
-                    self.send(Ping(next(self._ping_ids)))
+            # a millisecond past it: a timer that fires early finds nothing due
+            await asyncio.sleep(max(0.0, ka.next_deadline - time.monotonic()) + 0.001)
+            for o in ka.poll(time.monotonic()):
+                if isinstance(o, Close):
+                    self.fail(o.error, send_error=o.send_error)
+                    self.abort_transport()  # nothing to flush to a peer that is gone
+                    return
+                try:
+                    self.send(o.message)
+                except KVBridgeError:
+                    ka.sent(time.monotonic())  # closing: no PING goes out, none is due
 
     def fail(self, exc: KVBridgeError, *, send_error: bool = True) -> None:
         """Close because of ``exc``; tell the peer with an ERROR frame if possible."""

@@ -12,7 +12,6 @@ refuses for good (wrong key, identity, layout, version) is not retried.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import ssl as _ssl
 import time
@@ -27,6 +26,7 @@ from ...errors import (
     ResourceLimit,
     VersionMismatch,
 )
+from ...wire.connection import TxConnection
 from ...wire.frames import ALL_CAPABILITIES, Capability, Message
 from ...wire.handshake import ClientHandshake
 from ...wire.txtransfer import LinkClock
@@ -42,13 +42,13 @@ MAX_BACKOFF_S = 1.0
 
 
 class Link:
-    """One handshaken connection of a sender; transfer ids are per connection."""
+    """One handshaken connection of a sender; its rules (transfer ids, what
+    the receiver may send on it) are the sans-IO :class:`TxConnection`."""
 
     def __init__(self, conn: FrameConnection, ranged: bool) -> None:
         self.conn = conn
         self.ranged = ranged  # both peers announced RANGES (docs/protocol.md 5.9)
-        self.tids: dict[int, Any] = {}  # transfer id -> the transfer it names here
-        self._ids = itertools.count(1)
+        self.rules: TxConnection[Any] = TxConnection()
         self.writer: asyncio.Task[None] | None = None
         self.idle = False  # its writer waits for a chunk and prepares none
         # the replies on it tell which chunks were lost (wire.txtransfer.LinkClock)
@@ -58,8 +58,13 @@ class Link:
     def closed(self) -> bool:
         return self.conn.closed
 
+    @property
+    def tids(self) -> dict[int, Any]:
+        """Transfer id -> the transfer it names on this connection."""
+        return self.rules.transfers
+
     def new_tid(self) -> int:
-        return next(self._ids)
+        return self.rules.new_tid()
 
 
 class LinkPool:

@@ -8,10 +8,13 @@ own control path).  Data for any other token is refused.
 :class:`TcpReceiver` is a thin driver.  The rules of each transfer (which
 OPEN fits, what RESUME says, where a chunk lands, acknowledgements, NACK,
 ABORT, COMPLETE, deadline, linger) are the sans-IO
-:class:`~kvbridge.wire.rxtransfer.RxTransfer`; the driver owns the listening
-socket, the handshakes, the per-connection rules (transfer ids, unknown
-tokens, stray frames), the per-peer budget (:mod:`.peers`) and the write
-queue (:mod:`.writes`), and carries out what the state machines return.
+:class:`~kvbridge.wire.rxtransfer.RxTransfer`; the rules of each connection
+(which frames a sender may send, transfer ids, unknown tokens, the transfer
+limit, stray frames) are the sans-IO
+:class:`~kvbridge.wire.connection.RxConnection`.  The driver owns the
+listening socket, the handshakes, the per-peer budget (:mod:`.peers`) and
+the write queue (:mod:`.writes`), and carries out what the state machines
+return.
 """
 
 from __future__ import annotations
@@ -27,13 +30,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ...errors import (
-    AuthenticationError,
     Cancelled,
     ErrorCode,
     InvalidArgument,
     KVBridgeError,
     PeerGone,
-    RemoteProtocolError,
+)
+from ...wire.connection import (
+    Admit,
+    Close,
+    ConnLimits,
+    ConnOutput,
+    Deliver,
+    RxConnection,
+    Send,
+    ToControl,
 )
 from ...wire.description import PeerDescription
 from ...wire.frames import (
@@ -43,7 +54,6 @@ from ...wire.frames import (
     TOKEN_SIZE,
     Abort,
     Capability,
-    Control,
     Data,
     DataHead,
     Error,
@@ -92,17 +102,12 @@ class _Rx(RxTransfer[FrameConnection]):
 
 
 class _ConnState:
-    """The per-connection rules: transfer ids, unknown tokens, stray frames."""
+    """A connection's rules (:class:`RxConnection`) and its peer."""
 
-    def __init__(self, peer: Peer, ranged: bool) -> None:
+    def __init__(self, peer: Peer, ranged: bool, limits: ConnLimits) -> None:
         self.peer = peer
         self.ranged = ranged
-        self.transfers: dict[int, _Rx] = {}
-        # ids in ``transfers`` whose transfer finished and lingers (not open:
-        # max_transfers_per_connection counts the others)
-        self.done: set[int] = set()
-        self.unknown_tokens = 0
-        self.stray = 0
+        self.rules: RxConnection[_Rx] = RxConnection(limits)
 
 
 class TcpReceiver:
@@ -341,7 +346,16 @@ class TcpReceiver:
             self._peers.release(peer, conn)
             return
         ranged = bool(info.capabilities & ALL_CAPABILITIES & Capability.RANGES)
-        self._conns[conn] = _ConnState(peer, ranged)
+        lim = self.limits
+        self._conns[conn] = _ConnState(
+            peer,
+            ranged,
+            ConnLimits(
+                max_transfers=lim.max_transfers_per_connection,
+                max_unknown_tokens=lim.max_unknown_tokens,
+                max_stray_frames=lim.max_stray_frames,
+            ),
+        )
         conn.on_close.append(self._on_closed)
         conn.set_write_limits(1 << 20)
         conn.start(info, self._on_message)
@@ -358,7 +372,7 @@ class TcpReceiver:
             return
         self._peers.release(st.peer, conn)
         now = self._now()
-        for t in set(st.transfers.values()):
+        for t in set(st.rules.transfers.values()):
             self._apply(t, t.conn_lost(conn, now))
 
     # ---- frames --------------------------------------------------------------------------
@@ -366,60 +380,50 @@ class TcpReceiver:
         st = self._conns.get(conn)
         if st is None:
             return
-        if isinstance(m, Data):
-            t = st.transfers.get(m.transfer_id)
-            if t is None:
-                if m.placed:
-                    return
-                st.stray += 1
-                if st.stray > self.limits.max_stray_frames:
-                    raise RemoteProtocolError("too many DATA frames for transfers not open here")
-                return
-            self._apply(t, t.on_data(conn, m, self._now()), st.peer)
-        elif isinstance(m, Open):
-            self._on_open(conn, st, m)
-        elif isinstance(m, Abort):
-            t = st.transfers.get(m.transfer_id)
-            if t is not None:
-                self._apply(t, t.on_abort(conn, m, self._now()))
-        elif isinstance(m, Control):
-            h = self._control.get(m.type)
-            if h is None:
-                log.debug("dropping CONTROL %#x: no handler", m.type)
-            else:
-                h(conn, m.type, m.payload)
-        else:
-            raise RemoteProtocolError(f"a sender may not send {type(m).__name__}")
+        unknown = st.rules.unknown_tokens
+        outs = st.rules.receive(m, self._expected.get)
+        self.stats["unknown_tokens"] += st.rules.unknown_tokens - unknown
+        self._carry(conn, st, outs)
 
-    def _on_open(self, conn: FrameConnection, st: _ConnState, m: Open) -> None:
-        if m.transfer_id in st.transfers:
-            raise RemoteProtocolError(f"transfer id {m.transfer_id} reused on one connection")
-        t = self._expected.get(m.token)
-        if t is None:
-            st.unknown_tokens += 1
-            self.stats["unknown_tokens"] += 1
-            conn.send(Abort(m.transfer_id, ErrorCode.UNKNOWN_TOKEN, "transfer token not issued"))
-            if st.unknown_tokens > self.limits.max_unknown_tokens:
-                raise AuthenticationError("too many transfer tokens that were never issued")
-            return
-        if len(st.transfers) - len(st.done) >= self.limits.max_transfers_per_connection:
-            conn.send(Abort(m.transfer_id, ErrorCode.RESOURCE_LIMIT, "too many open transfers"))
-            return
+    def _carry(self, conn: FrameConnection, st: _ConnState, outs: list[ConnOutput[_Rx]]) -> None:
+        """Carry out what a connection's rules return."""
+        for o in outs:
+            if isinstance(o, Deliver):
+                t, m = o.transfer, o.message
+                if isinstance(m, Data):
+                    self._apply(t, t.on_data(conn, m, self._now()), st.peer)
+                elif isinstance(m, Abort):
+                    self._apply(t, t.on_abort(conn, m, self._now()))
+            elif isinstance(o, Admit):
+                self._on_open(conn, st, o.transfer, o.message)
+            elif isinstance(o, Send):
+                conn.send(o.message)
+            elif isinstance(o, Close):
+                conn.fail(o.error, send_error=o.send_error)
+                return
+            elif isinstance(o, ToControl):
+                c = o.message
+                h = self._control.get(c.type)
+                if h is None:
+                    log.debug("dropping CONTROL %#x: no handler", c.type)
+                else:
+                    h(conn, c.type, c.payload)
+
+    def _on_open(self, conn: FrameConnection, st: _ConnState, t: _Rx, m: Open) -> None:
         # the sender: its authenticated identity and the OPEN's source id (5.1)
         source = (st.peer.identity, m.source or None)
         outs = t.on_open(conn, m, st.ranged, self._now(), source)
         att = t.attached.get(conn)
         if att is not None and att.transfer_id == m.transfer_id:
-            st.transfers[m.transfer_id] = t
-            if t.finished:  # a late OPEN: it learns the outcome and lingers here too
-                st.done.add(m.transfer_id)
+            # a late OPEN of a finished one learns the outcome and lingers here too
+            st.rules.attached(m.transfer_id, t, finished=t.finished)
         self._apply(t, outs)
 
     def _hash_unplaced(self, conn: FrameConnection, h: DataHead) -> bool:
         """Hash a frame's bytes as they arrive, unless its sink checks them
         in the pass that writes them (``write_checksummed``)."""
         st = self._conns.get(conn)
-        t = st.transfers.get(h.transfer_id) if st is not None else None
+        t = st.rules.transfer(h.transfer_id) if st is not None else None
         return t is None or not verifies_in_copy(t.sink, h.codec, h.shuffle)
 
     def _place(self, conn: FrameConnection, h: DataHead) -> memoryview | None:
@@ -429,7 +433,7 @@ class TcpReceiver:
         st = self._conns.get(conn)
         if st is None or conn.peer is None:
             return None
-        t = st.transfers.get(h.transfer_id)
+        t = st.rules.transfer(h.transfer_id)
         if t is None:
             return None
         job = t.place(conn, h)
@@ -500,17 +504,16 @@ class TcpReceiver:
             del self._expected[t.handle.token]
         for c, att in list(t.attached.items()):
             st = self._conns.get(c)
-            if st is not None and st.transfers.get(att.transfer_id) is t:
-                del st.transfers[att.transfer_id]
-                st.done.discard(att.transfer_id)
+            if st is not None:
+                st.rules.forget(att.transfer_id, t)
         t.attached.clear()
 
     def _lingers(self, t: _Rx) -> None:
         """``t`` finished: on each of its connections it lingers, no longer open."""
         for c, att in t.attached.items():
             st = self._conns.get(c)
-            if st is not None and st.transfers.get(att.transfer_id) is t:
-                st.done.add(att.transfer_id)
+            if st is not None:
+                st.rules.lingers(att.transfer_id, t)
 
     def _queue_write(self, t: _Rx, w: Write, peer: Peer | None) -> None:
         size = HEADER_SIZE + DATA_HEADER_SIZE + w.data.wire_length

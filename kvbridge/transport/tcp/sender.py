@@ -42,8 +42,8 @@ from ...errors import (
     InvalidArgument,
     KVBridgeError,
     PeerGone,
-    RemoteProtocolError,
 )
+from ...wire.connection import REPLIES, Close, Deliver, ToControl
 from ...wire.description import PeerDescription
 from ...wire.frames import (
     ALL_CAPABILITIES,
@@ -55,12 +55,8 @@ from ...wire.frames import (
     TOKEN_SIZE,
     Abort,
     Ack,
-    Complete,
-    Control,
     Data,
     Message,
-    Nack,
-    Resume,
 )
 from ...wire.handshake import ClientHandshake
 from ...wire.txtransfer import (
@@ -250,7 +246,7 @@ class TcpSender:
             t.links_changed(live, now)
             self._apply(t, outs)
             self._kick(t)
-        link.tids.clear()
+        link.rules.clear()
         self.scheduler.wake()
 
     def _on_fatal(self, err: KVBridgeError) -> None:
@@ -498,7 +494,7 @@ class TcpSender:
             t.timer.cancel()
             t.timer, t.timer_at = None, math.inf
         for link, tid in t.tids:
-            link.tids.pop(tid, None)
+            link.rules.forget(tid)
         st = t.stats
         st.retries, st.chunks = t.retries, t.chunks_sent
         if error is None:
@@ -510,10 +506,10 @@ class TcpSender:
         tid = t.opened.get(link)
         if tid is not None:
             return tid
-        tid = link.new_tid()
+        tid = link.rules.new_tid()
         link.conn.send(t.open_message(tid, self._links.peer_caps & CODEC_CAPABILITIES))
         t.attach(link, tid)
-        link.tids[tid] = t
+        link.rules.transfers[tid] = t
         t.tids.append((link, tid))
         return tid
 
@@ -660,19 +656,23 @@ class TcpSender:
 
     # ---- frames from the receiver --------------------------------------------------------
     def _on_message(self, link: Link, m: Message) -> None:
-        if isinstance(m, Control):
-            h = self._control.get(m.type)
-            if h is not None:
-                h(link.conn, m.type, m.payload)
-            return
-        if not isinstance(m, Ack | Resume | Nack | Abort | Complete):
-            raise RemoteProtocolError(f"a receiver may not send {type(m).__name__}")
         now = self._now()
-        t = link.tids.get(m.transfer_id)
-        if t is not None and not t.finished:
-            self._apply(t, t.on_message(link, m, now))
-        # after: an ACK's wait is measured from the previous reply
-        link.clock.on_reply(sum(n for _, n in m.ranges) if isinstance(m, Ack) else 0, now)
+        for o in link.rules.receive(m):
+            if isinstance(o, Deliver):
+                t = o.transfer
+                if not t.finished:
+                    self._apply(t, t.on_message(link, o.message, now))
+            elif isinstance(o, ToControl):
+                c = o.message
+                h = self._control.get(c.type)
+                if h is not None:
+                    h(link.conn, c.type, c.payload)
+            elif isinstance(o, Close):
+                link.conn.fail(o.error, send_error=o.send_error)
+                return
+        if isinstance(m, REPLIES):
+            # after: an ACK's wait is measured from the previous reply
+            link.clock.on_reply(sum(n for _, n in m.ranges) if isinstance(m, Ack) else 0, now)
 
 
 def _clock_of(link: Link) -> LinkClock:
