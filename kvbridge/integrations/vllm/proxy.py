@@ -2,7 +2,7 @@
 
 An OpenAI-compatible front (``POST /v1/completions``, ``POST
 /v1/chat/completions``, streaming or not; ``GET /v1/models``, ``/health``,
-``/stats``) over one prefill, one main decode and, optionally, one relay
+``/stats``, ``/metrics``) over one prefill, one main decode and, optionally, one relay
 decode.  Per request it asks kvbridge's router for a pipeline:
 
 - **P-MD**: the main decode gets the request with ``do_remote_prefill`` and
@@ -40,7 +40,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from ...errors import InvalidArgument
 from ...layout import DType, KVLayout
 from ...router import BandwidthEstimator, Pipeline, Router, RouterConfig
 from .prefix_estimate import PrefixEstimate
+from .proxy_stats import CONTENT_TYPE_LATEST, ProxyStats
 
 __all__ = ["Backend", "DisaggProxy", "ProxyConfig", "main"]
 
@@ -118,6 +119,7 @@ class ProxyConfig:
     await_tickets_s: float = 2.0  # the prefill waits this long for tickets before prefill
     timeout_s: float = 120.0  # every backend call ends within this
     use_prefix_estimate: bool = True  # off: the router assumes an empty decode cache
+    stats_window: int = 1024  # GET /stats keeps the last this many request records
 
 
 @dataclass
@@ -190,7 +192,7 @@ class DisaggProxy:
             BandwidthEstimator(prior_bps=cfg.wan_bps),
         )
         self.estimate = PrefixEstimate(cfg.md_block_tokens)
-        self.records: list[RequestRecord] = []
+        self.stats = ProxyStats(cfg.stats_window)
         self._inflight_md_bytes = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -202,6 +204,7 @@ class DisaggProxy:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/stats", self._stats),
+                web.get("/metrics", self._metrics),
                 web.post("/stats/reset", self._stats_reset),
             ]
         )
@@ -232,24 +235,26 @@ class DisaggProxy:
         async with self.session.get(f"{self.cfg.main.url}/v1/models") as r:
             return web.json_response(await r.json(), status=r.status)
 
+    @property
+    def records(self) -> list[RequestRecord]:
+        """The last ``stats_window`` finished requests."""
+        return list(self.stats.window)
+
     async def _stats(self, _req: web.Request) -> web.Response:
-        relay = sum(r.relay_tokens for r in self.records)
-        total = relay + sum(r.main_tokens for r in self.records)
-        return web.json_response(
-            {
-                "requests": [asdict(r) for r in self.records],
-                "relay_tokens": relay,
-                "main_tokens": total - relay,
-                "relay_share": relay / total if total else 0.0,
-                "pipelines": {p.value: n for p, n in self.router.counts.items()},
-            }
-        )
+        out = self.stats.summary()
+        out["pipelines"] = {p.value: n for p, n in self.router.counts.items()}
+        return web.json_response(out)
+
+    async def _metrics(self, _req: web.Request) -> web.Response:
+        """Prometheus text: the kvbridge_proxy:* series (proxy_stats.py)."""
+        body = self.stats.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _stats_reset(self, req: web.Request) -> web.Response:
         """Forget the records and, with ``{"prefix_estimate": true}``, the
         estimate of the main decode's cache (after the decode was reset)."""
         body = await req.json() if req.can_read_body else {}
-        self.records.clear()
+        self.stats.reset()
         if body.get("prefix_estimate"):
             self.estimate.clear()
         return web.json_response({})
@@ -542,7 +547,7 @@ class DisaggProxy:
         tid = uuid.uuid4().hex
         pipeline, reason, matched = self._route(g, tid)
         rec = RequestRecord(tid, pipeline.value, reason, len(g.prompt_ids), matched)
-        self.records.append(rec)
+        self.stats.started(rec.pipeline)
         missing = (len(g.prompt_ids) - matched) * self.router.layout.bytes_per_token
         self._inflight_md_bytes += missing
         t0 = time.perf_counter()
@@ -568,6 +573,7 @@ class DisaggProxy:
         finally:
             self._inflight_md_bytes -= missing
             rec.total_s = time.perf_counter() - t0
+            self.stats.finished(rec)
             if rec.error is None:
                 self.estimate.add(g.prompt_ids + out_ids)
 
@@ -693,6 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--await-tickets-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--no-prefix-estimate", action="store_true")
+    p.add_argument(
+        "--stats-window", type=int, default=1024, help="request records kept for GET /stats"
+    )
     return p
 
 
@@ -714,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
         await_tickets_s=a.await_tickets_s,
         timeout_s=a.timeout_s,
         use_prefix_estimate=not a.no_prefix_estimate,
+        stats_window=a.stats_window,
     )
     proxy = DisaggProxy(cfg)
     web.run_app(proxy.app, host=a.host, port=a.port, print=lambda *x: print(*x, flush=True))
