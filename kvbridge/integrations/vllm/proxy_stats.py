@@ -16,8 +16,8 @@ series                                          type       labels
 kvbridge_proxy:requests_total                   counter    pipeline, outcome
 kvbridge_proxy:pipeline_decisions_total         counter    pipeline
 kvbridge_proxy:time_to_first_token_seconds      histogram  pipeline
-kvbridge_proxy:switch_gap_seconds               histogram  (P-RLD-MD: relay cut
-                                                           off -> first main token)
+kvbridge_proxy:switch_gap_seconds               histogram  (P-RLD-MD: the longest
+                                                           pause around the switch)
 kvbridge_proxy:generation_tokens_total          counter    source (relay, main)
 kvbridge_proxy:relay_share                      gauge      (relay / all tokens)
 kvbridge_proxy:requests_running                 gauge
@@ -69,7 +69,7 @@ class ProxyStats:
         )
         self.m_gap = Histogram(
             NS + "switch_gap_seconds",
-            "P-RLD-MD: from cutting the relay off to the main decode's first token",
+            "P-RLD-MD: the longest pause between tokens around the relay-to-main switch",
             buckets=GAP_BUCKETS,
             registry=r,
         )
@@ -109,8 +109,11 @@ class ProxyStats:
         self.m_requests.labels(rec.pipeline, outcome).inc()
         if rec.ttft_s is not None:
             self.m_ttft.labels(rec.pipeline).observe(rec.ttft_s)
-        if rec.handoff_s is not None:
-            self.m_gap.observe(rec.handoff_s)
+        gap = getattr(rec, "switch_gap_s", None)
+        if gap is None:
+            gap = rec.handoff_s
+        if gap is not None:
+            self.m_gap.observe(gap)
         self.relay_tokens += rec.relay_tokens
         self.main_tokens += rec.main_tokens
         self.m_tokens.labels("relay").inc(rec.relay_tokens)
