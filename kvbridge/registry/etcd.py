@@ -20,7 +20,7 @@ from typing import Any
 import aetcd
 import grpc
 
-from kvbridge.errors import InvalidArgument
+from kvbridge.errors import InvalidArgument, PeerGone
 from kvbridge.registry.records import (
     EngineRecord,
     LoadReport,
@@ -252,7 +252,7 @@ class EtcdWatcher:
                         self.view.put(ev.kv.mod_revision, key, ev.kv.value)
                     else:
                         self.view.delete(ev.kv.mod_revision, key)
-                raise ConnectionError("watch ended")
+                raise PeerGone("the etcd watch stream ended")
             except asyncio.CancelledError:
                 raise
             except Exception as e:
