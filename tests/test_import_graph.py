@@ -42,9 +42,9 @@ LAYERS: list[tuple[set[str], bool]] = [
     ({"pack", "_pack"}, True),  # the public face and its implementation
     ({"wire", "cache", "router", "handoff"}, False),  # the sans-IO core (+ the handoff driver)
     ({"pdd"}, False),  # the PDD orchestration core over the router and the handoff (+ its driver)
+    ({"transport"}, False),
     ({"registry"}, False),  # the fleet registry: records and view (sans-IO), the etcd edge
     ({"fleet"}, False),  # the fleet router core over the registry view, the cache, the router
-    ({"transport"}, False),
     ({"bridge"}, False),
     ({"integrations"}, False),
     ({"testing"}, False),  # test helpers (mock stream, torch pack reference, engine caches)
@@ -60,7 +60,7 @@ BENCH_LAYERS: list[tuple[set[str], bool]] = [
 SANS_IO = ["wire", "cache", "router", "layout", "pack", "_pack", "handoff.messages", "handoff.relay",
            "handoff.main", "handoff.policy", "handoff.stream", "handoff.outputs",
            "handoff.params", "pdd.core", "pdd.events", "pdd.budget",
-           "registry.records", "registry.view"]  # fmt: skip
+           "registry.records", "registry.view", "fleet"]  # fmt: skip
 IO_MODULES = {"asyncio", "socket", "ssl", "uvloop", "selectors", "concurrent"}
 
 # transports stay independent: importing one never pulls in another's dependencies
