@@ -25,6 +25,8 @@ from kvbridge.router import Decision, Pipeline, Router
 
 __all__ = ["FleetConfig", "FleetRoute", "FleetRouter", "Reroute"]
 
+_EMPTY: frozenset[str] = frozenset()
+
 
 @dataclass(frozen=True)
 class FleetConfig:
@@ -74,12 +76,14 @@ class FleetRouter:
         self._holders: dict[bytes, set[str]] = {}  # page hash -> main decodes / prefills holding it
         self._sessions: dict[str, str] = {}
         self._inflight: dict[str, FleetRoute] = {}
+        self._eligible: dict[Role, list[str]] = {}  # cleared whenever membership changes
 
     # --- the view's feed ----------------------------------------------------
     def apply(self, change: ViewChange) -> list[Reroute]:
         """A registry view change; returns the re-routing of requests in
         flight on an engine that left."""
         eid = change.engine_id
+        self._eligible.clear()
         if change.record is None:
             return self._lose(eid)
         eng = self._engines.get(eid)
@@ -136,11 +140,17 @@ class FleetRouter:
                 eng.failures += 1
                 if eng.failures >= self.config.max_failures:
                     eng.ejected = True
+                    self._eligible.clear()
             elif failed_on is None:
                 eng.failures = 0
 
     def eligible(self, role: Role) -> list[str]:
-        return [e for e, g in self._engines.items() if not g.ejected and g.record.role.serves(role)]
+        got = self._eligible.get(role)
+        if got is None:
+            got = self._eligible[role] = [
+                e for e, g in self._engines.items() if not g.ejected and g.record.role.serves(role)
+            ]
+        return got
 
     @property
     def inflight(self) -> int:
@@ -148,19 +158,27 @@ class FleetRouter:
 
     # --- internals -----------------------------------------------------------
     def _matches(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """Leading pages each engine holds."""
+        """Leading pages each engine holds (set intersections, page by page)."""
         best: dict[str, int] = {}
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if not holders:
+        if not hashes:
+            return best
+        holders = self._holders
+        cand = holders.get(hashes[0])
+        if not cand:
+            return best
+        cand = set(cand)
+        i = 1
+        for h in hashes[1:]:
+            nxt = cand & holders.get(h, _EMPTY)
+            if len(nxt) != len(cand):
+                for eid in cand - nxt:
+                    best[eid] = i
+            cand = nxt
+            if not cand:
                 break
-            grew = False
-            for eid in holders:
-                if best.get(eid, 0) == i:
-                    best[eid] = i + 1
-                    grew = True
-            if not grew:
-                break
+            i += 1
+        for eid in cand:
+            best[eid] = i
         return best
 
     def _pick_main(self, matches: dict[str, int], session: str | None) -> str:
@@ -181,12 +199,16 @@ class FleetRouter:
         if not prefills:
             raise Unavailable("no prefill in the fleet")
         pt = self.config.page_tokens
-
-        def work(p: str) -> int:
-            eng = self._engines[p]
-            return eng.record.load.queued_tokens + eng.active * n_tokens - matches.get(p, 0) * pt
-
-        return min(prefills, key=work)
+        engines = self._engines
+        best, best_work = prefills[0], None
+        for p in prefills:
+            eng = engines[p]
+            w = eng.record.load.queued_tokens + eng.active * n_tokens
+            if matches:
+                w -= matches.get(p, 0) * pt
+            if best_work is None or w < best_work:
+                best, best_work = p, w
+        return best
 
     def _pick(self, role: Role) -> str:
         cands = self.eligible(role)
@@ -205,8 +227,10 @@ class FleetRouter:
             self._engines[eid].active += 1  # type: ignore[index]
         for eid in (route.main, route.prefill):
             eng = self._engines[eid]
+            pages = eng.pages
             for h in hashes:
-                self._note(eid, eng, h)
+                if h not in pages:  # first-in first-out: no reordering per request
+                    self._note(eid, eng, h)
         if session is not None:
             self._sessions[session] = route.main
 
