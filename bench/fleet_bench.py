@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from etcd_server import EtcdServer
 
 from kvbridge.cache.hashing import page_hashes
+from kvbridge.errors import Unavailable
 from kvbridge.fleet import FleetConfig, FleetRouter, Reroute
 from kvbridge.layout import KVLayout
 from kvbridge.registry import EngineRecord, RegistryView, Role, new_generation
@@ -61,7 +62,7 @@ async def registrar(port: int, churn_s: float, wait_s: float) -> None:
     ports = iter(range(10001, 20000))
 
     async def join(eid: str, role: Role) -> None:
-        reg = EtcdRegistration(rec(eid, role, next(ports)), opts, ttl_s=5)
+        reg = EtcdRegistration(rec(eid, role, next(ports)), opts, ttl_s=10)
         await reg.start(timeout_s=30)
         regs[eid] = reg
 
@@ -129,14 +130,18 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
 
     # --- churn (the registrar joins or leaves one engine per second) ----------
     loop = asyncio.get_running_loop()
-    n = lost = 0
+    n = lost = refused = 0
     live: list[tuple[float, str]] = []
     while child.returncode is None:
         now = loop.time()
         for _ in range(2):
             rid = f"c{n}"
             n += 1
-            fr.route(rid, sessions[rng.randrange(len(sessions))][:256], 64)
+            try:
+                fr.route(rid, sessions[rng.randrange(len(sessions))][:256], 64)
+            except Unavailable:
+                refused += 1  # no engine of a role in the view: refused at once, typed
+                continue
             live.append((now + 0.5, rid))
         while live and (live[0][0] <= now):
             _, rid = live.pop(0)
@@ -151,7 +156,7 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
     out = (await child.stdout.read()).decode().split() if child.stdout else []
     print(
         f"churn {args.churn_s:.0f} s: {out.count('join')} joins, {out.count('leave')} leaves,"
-        f" {n} requests, {len(reroutes)} re-routed, {lost} lost"
+        f" {n} requests, {len(reroutes)} re-routed, {refused} refused, {lost} lost"
     )
     await watcher.close()
     if lost:
