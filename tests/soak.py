@@ -45,6 +45,10 @@ from typing import Any
 
 import numpy as np
 
+if os.environ.get("SOAK_SRC"):  # run a snapshot of the sources (the tree may change meanwhile)
+    sys.path.insert(0, os.environ["SOAK_SRC"])
+    sys.meta_path[:] = [f for f in sys.meta_path if "_editable_" not in type(f).__module__]
+
 KiB, MiB = 1024, 1 << 20
 DEADLINE = 20.0  # every transfer's own deadline
 SLACK = 5.0  # how much later than its deadline an outcome may come
