@@ -9,6 +9,7 @@ ends with :class:`~kvbridge.errors.LeaseExpired`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl as _ssl
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +20,7 @@ from ..errors import (
     Cancelled,
     IncompatiblePeer,
     InvalidArgument,
+    KVBridgeError,
     LayoutError,
     LeaseExpired,
     TransferTimeout,
@@ -333,14 +335,27 @@ class PrefillBridge:
                     out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
                 else:
                     out[name] = self._ucx_delivery(name, rid, block_table, t, None, timeout)
-        except BaseException:
+        except BaseException as exc:
             self.leases.release(rid)
             for d in out.values():
                 d.cancel("the send failed to start")
+            if isinstance(exc, KVBridgeError):
+                self._refused(rid, [n for n in checked if n not in out], exc)
             raise
         group = MultiSend(rid, out)
         self._track(group)
         return group
+
+    def _refused(self, rid: str, names: list[str], exc: KVBridgeError) -> None:
+        """A send that failed to post: its UCX receivers are told (an ABORT
+        with the error's code), so their expectations fail now rather than at
+        their deadlines.  (A TCP receiver has nothing open for it yet; its
+        engine cancels the expectation when the prefill reports the error.)"""
+        for name in names:
+            peer = self._ucx_peers.get(name)
+            if peer is not None and peer.error is None:
+                with contextlib.suppress(KVBridgeError):
+                    peer.abort(rid, exc)
 
     def send_layerwise(
         self,
