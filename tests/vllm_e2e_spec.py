@@ -28,5 +28,5 @@ def e2e_spec(model_dir: str, workdir: Path) -> ClusterSpec:
         md_policy="recompute",
         rld_policy="fail",
         recv_timeout_s=15.0,
-        proxy_args=["--relay-token-cap", "16", "--pipeline", "p-md", "--await-tickets-s", "10"],
+        proxy_args=["--relay-token-budget", "16", "--pipeline", "p-md", "--await-tickets-s", "10"],
     )

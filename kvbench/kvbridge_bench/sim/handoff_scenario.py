@@ -31,6 +31,7 @@ from kvbridge.handoff.policy import HandoffPolicy
 from kvbridge.handoff.sampling import sample
 from kvbridge.pdd.aio import collect_stream, make_core, run_main, run_relay
 from kvbridge.pdd.budget import RelayBudget
+from kvbridge.pdd.core import PddCore
 
 from .network import LinkModel, MemoryChannel, MemoryNetwork
 
@@ -138,9 +139,11 @@ def decode_alone(
 
 
 async def run_scenario(
-    sc: Scenario, prefill: Engine, relay: Engine, main: Engine
+    sc: Scenario, prefill: Engine, relay: Engine, main: Engine, core: PddCore | None = None
 ) -> ScenarioResult:
-    """Run one request end to end; every role's error is caught and reported."""
+    """Run one request end to end; every role's error is caught and reported.
+    ``core``: one PDD core for the three roles (its log records them all),
+    else one of the scenario's policy for each."""
     rid = sc.request_id
     spec = prefill_request(prefill, rid, list(sc.prompt), sc.params)
     read = getattr(prefill, "read_kv")  # noqa: B009
@@ -183,7 +186,11 @@ async def run_scenario(
                 guard(
                     "client",
                     collect_stream(
-                        cn, rid, gap_timeout=sc.gap_timeout, idle_timeout=sc.idle_timeout
+                        cn,
+                        rid,
+                        core=core,
+                        gap_timeout=sc.gap_timeout,
+                        idle_timeout=sc.idle_timeout,
                     ),
                 ),
                 guard(
@@ -195,7 +202,8 @@ async def run_scenario(
                         _loader(wire, sc.relay_kv_delay),
                         main="main",
                         client="client",
-                        core=make_core(sc.policy, sc.budget, sc.timeouts, relay_load=sc.relay_load),
+                        core=core
+                        or make_core(sc.policy, sc.budget, sc.timeouts, relay_load=sc.relay_load),
                         pace=sc.relay_pace,
                     ),
                 ),
@@ -211,6 +219,7 @@ async def run_scenario(
                             _loader(wire, sc.main_kv_delay, after),
                             relay="relay",
                             client="client",
+                            core=core,
                             timeouts=sc.timeouts,
                             pace=sc.main_pace,
                         ),
