@@ -40,6 +40,7 @@ pytest.importorskip("kvbridge._core")
 from kvbridge import pack
 from kvbridge.bridge import DecodeBridge, PeerConfig, PrefillBridge
 
+pytestmark = pytest.mark.timeout(400)  # processes started and killed: minutes on a loaded VM
 FAST = {"keepalive_interval": 0.5, "keepalive_timeout": 3.0}
 UCX_FAST = {"heartbeat": 0.25, "peer_timeout": 5.0}
 NEEDS_UCX = pytest.mark.skipif(not ucx.available(), reason="UCX unavailable")

@@ -31,6 +31,7 @@ from tcp_support import arun
 from kvbridge.errors import KVBridgeError
 
 pytest.importorskip("kvbridge._core")
+pytestmark = pytest.mark.timeout(600)  # processes started and killed: minutes on a loaded VM
 
 DEADLINE = 15.0  # every transfer's own deadline
 SLACK = 5.0

@@ -16,6 +16,7 @@ import pytest
 pytestmark = pytest.mark.chaos
 
 
+@pytest.mark.timeout(900)
 def test_short_soak(tmp_path: object) -> None:
     pytest.importorskip("kvbridge._core")
     here = os.path.dirname(os.path.abspath(__file__))
