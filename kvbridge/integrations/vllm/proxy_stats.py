@@ -33,6 +33,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ...errors import InvalidArgument
+
 __all__ = ["CONTENT_TYPE_LATEST", "TTFT_BUCKETS", "ProxyStats"]
 
 NS = "kvbridge_proxy:"
@@ -50,7 +52,7 @@ class ProxyStats:
 
     def __init__(self, window: int = 1024, registry: CollectorRegistry | None = None) -> None:
         if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
+            raise InvalidArgument(f"window must be an int >= 1, got {window!r}")
         self.window: deque[Any] = deque(maxlen=window)
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
