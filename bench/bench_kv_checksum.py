@@ -40,9 +40,9 @@ CHUNK = 4 << 20
 
 
 def _ends(pages: int, page_kib: int) -> tuple[Any, Any, Any, Any]:
-    from kvbridge.cli.compare import scenarios
-    from kvbridge.cli.compare_peers import _buffer
-    from kvbridge.cli.transfer_peers import _ends as ends
+    from kvbridge_bench.cli.compare import scenarios
+    from kvbridge_bench.cli.compare_peers import scenario_buffer
+    from kvbridge_bench.cli.transfer_peers import kv_ends as ends
 
     (scen,) = scenarios(
         types.SimpleNamespace(
@@ -50,7 +50,7 @@ def _ends(pages: int, page_kib: int) -> tuple[Any, Any, Any, Any]:
             block_tables="shuffled",
         )
     )  # fmt: skip
-    src_buf, dst_buf = _buffer(scen, fill=True), _buffer(scen, fill=False)
+    src_buf, dst_buf = scenario_buffer(scen, fill=True), scenario_buffer(scen, fill=False)
     source = ends(scen, src_buf, scen.src_bt, False)
     sink = ends(scen, dst_buf, scen.dst_bt, True)
     return scen, source, sink, (src_buf, dst_buf)

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from kvbridge.cli import latency
 from kvbridge.errors import KVBridgeError
+from kvbridge_bench.cli import latency
 
 
 @pytest.mark.ucx

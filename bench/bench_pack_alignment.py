@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.cli import pack as bench
+from kvbridge_bench.cli import pack as bench
 
 OFFSETS = (16, 32, 64, 4096)
 

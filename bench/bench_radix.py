@@ -5,7 +5,7 @@ under a page budget), router decisions, and radix lookup cost.
     PYTHONPATH=. python bench/bench_radix.py [--demo] [--seed N] [--json out.json]
 
 Same as ``kvbridge-bench radix``; the demo can call
-:func:`kvbridge.sim.prefix_bench.run_prefix_bench` directly.
+:func:`kvbridge_bench.sim.prefix_bench.run_prefix_bench` directly.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvbridge.cli import radix
+from kvbridge_bench.cli import radix
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=radix.__doc__)

@@ -16,9 +16,9 @@ import os
 import sys
 import time
 
-from kvbridge.sim.emulator import ProxyEmulator
 from kvbridge.transport.tcp import TcpReceiver, TcpSender, run
 from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge_bench.sim.emulator import ProxyEmulator
 
 MiB = 1 << 20
 

@@ -107,7 +107,7 @@ def _cpu(pid: int) -> dict[str, tuple[float, float]]:
 
 def _pages() -> Any:
     """The anchors' pages scenario of ``kvbridge-bench transfer``."""
-    from kvbridge.cli.compare import scenarios
+    from kvbridge_bench.cli.compare import scenarios
 
     args = types.SimpleNamespace(
         scenarios="pages", page_kib=64, pages=4096, block_tables="shuffled", bulk_mib=256
@@ -117,23 +117,23 @@ def _pages() -> Any:
 
 
 def _server(q: Any, scenario: str = "bulk") -> None:
-    from kvbridge.cli import transfer_bench as bm
     from kvbridge.transport.tcp import run
     from kvbridge.transport.tcp.receiver import TcpReceiver
+    from kvbridge_bench.cli import transfer_bench as bm
 
     async def main() -> None:
         rx = await TcpReceiver("127.0.0.1", 0).start()
         srv = bm.BenchServer(rx)
         if scenario == "pages":
-            from kvbridge.cli.compare_peers import _buffer
-            from kvbridge.cli.transfer_peers import _ends
+            from kvbridge_bench.cli.compare_peers import scenario_buffer
+            from kvbridge_bench.cli.transfer_peers import kv_ends
 
             scen = _pages()
-            dst = _buffer(scen, fill=False)
+            dst = scenario_buffer(scen, fill=False)
 
             def on_expect(conn: Any, typ: int, payload: bytes) -> None:
                 rid = payload[8:].decode()
-                sink = _ends(scen, dst, scen.dst_bt, True)
+                sink = kv_ends(scen, dst, scen.dst_bt, True)
                 if rid.endswith("-rx-2pass"):
                     del sink.write_checksummed
                 h = rx.expect(rid, sink, timeout=600)
@@ -165,20 +165,20 @@ def measure(
     """Every variant and raw, round by round; per row the goodput (median),
     the ratio to raw (median and range of the rounds) and the CPU seconds
     per GB of each side's loop thread and workers (user, system)."""
-    from kvbridge.cli import transfer_bench as bm
     from kvbridge.transport.tcp import run
     from kvbridge.transport.tcp.kvio import BytesSource
     from kvbridge.transport.tcp.sender import TcpSender
+    from kvbridge_bench.cli import transfer_bench as bm
 
     nbytes = mib << 20
     pages = scenario == "pages"
     if pages:
-        from kvbridge.cli.compare_peers import _buffer
-        from kvbridge.cli.transfer_peers import _ends
+        from kvbridge_bench.cli.compare_peers import scenario_buffer
+        from kvbridge_bench.cli.transfer_peers import kv_ends
 
         scen = _pages()
         nbytes = scen.nbytes
-        src_buf = _buffer(scen, fill=True)
+        src_buf = scenario_buffer(scen, fill=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_server, args=(q, scenario), daemon=True)
@@ -211,7 +211,7 @@ def measure(
                     await bm._raw_run("127.0.0.1", raw_port, data, streams, conns)
                 else:
                     src = (
-                        _ends(scen, src_buf, scen.src_bt, False, zero_copy=name != "packed")
+                        kv_ends(scen, src_buf, scen.src_bt, False, zero_copy=name != "packed")
                         if pages
                         else BytesSource(data)
                     )

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvbridge.cli import transfer_bench as bm
 from kvbridge.transport.tcp import run
+from kvbridge_bench.cli import transfer_bench as bm
 
 MiB = 1 << 20
 SMALL = os.environ.get("KVB_BENCH_QUICK", "1") == "1"
@@ -77,9 +77,9 @@ def test_tcp_rows_move_the_anchors_workload_intact(scenario: str) -> None:
     bytes with a matching hash at both ends; raw uvloop moves them too."""
     import types
 
-    from kvbridge.cli import compare_peers
-    from kvbridge.cli import transfer_peers as tp
-    from kvbridge.cli.compare import scenarios
+    from kvbridge_bench.cli import compare_peers
+    from kvbridge_bench.cli import transfer_peers as tp
+    from kvbridge_bench.cli.compare import scenarios
 
     (scen,) = scenarios(
         types.SimpleNamespace(
@@ -98,7 +98,7 @@ def test_tcp_rows_move_the_anchors_workload_intact(scenario: str) -> None:
 
 
 def test_the_exit_code_fails_only_rows_that_moved_wrong_bytes_or_failed() -> None:
-    from kvbridge.cli.transfer import exit_code
+    from kvbridge_bench.cli.transfer import exit_code
 
     assert exit_code([{"ok": True}, {"ok": None}]) == 0  # raw rows are not checked
     assert exit_code([{"ok": True}, {"ok": False}]) == 1

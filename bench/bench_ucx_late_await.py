@@ -40,10 +40,10 @@ def _side(conn: Any, role: int, tls: str, tree: str | None, samples: int) -> Non
     os.environ["UCX_TLS"] = tls
     import numpy as np
 
-    from kvbridge.cli import latency_peers as lp
+    from kvbridge_bench.cli import latency_peers as lp
 
     if tree:  # the baseline's kvbridge, not this one
-        lp = lp.import_from_tree(tree, "kvbridge.cli.latency_peers")
+        lp = lp.import_from_tree(tree, "kvbridge_bench.cli.latency_peers")
     from kvbridge.transport.tcp import run
 
     lay = lp.page_layout(4096)
@@ -63,8 +63,8 @@ def _side(conn: Any, role: int, tls: str, tree: str | None, samples: int) -> Non
                 h = agent.expect(f"late{seq}", dst, 0, 16, timeout=30.0)
                 await until(t0 + AWAIT_AT)
                 st = await h
-                landed = bool((agent.cache[:, 0] == 1).all())  # the sender's page 1 holds 1
-                agent.cache[:, 0] = 0
+                landed = bool((agent._cache[:, 0] == 1).all())  # the sender's page 1 holds 1
+                agent._cache[:, 0] = 0
                 conn.send((st.finished, landed))
             else:
                 await until(t0 + SEND_AT)

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.cli.pack import (
+from kvbridge.layout import KVLayout
+from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
+from kvbridge.testing.pack_ref import ref_pack
+from kvbridge_bench.cli.pack import (
     SMOLLM2,
     Case,
     format_checksum_table,
@@ -20,9 +23,6 @@ from kvbridge.cli.pack import (
     measure,
     measure_checksum,
 )
-from kvbridge.layout import KVLayout
-from kvbridge.pack import HAS_CORE, PagedKVCache, pack, unpack
-from kvbridge.testing.pack_ref import ref_pack
 
 pytestmark = pytest.mark.skipif(not HAS_CORE, reason="kvbridge._core is not built")
 
@@ -119,14 +119,15 @@ def test_ratio_table_row() -> None:
     assert "tiny vLLM" in format_checksum_table([check])
 
 
-def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json(capfd: pytest.CaptureFixture[str]) -> None:
+    """stdout: the JSON alone (the file descriptor, so capfd)."""
     import json
 
-    from kvbridge.cli.main import main
+    from kvbridge_bench.cli.main import main
 
     argv = ["pack", "--quick", "--json", "--mib", "0.25", "--reps", "1", "--warmup", "0"]
     assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capfd.readouterr().out)
     rows = out["rows"]
     assert [r["case"] for r in rows][:3] == [
         "Llama-3-8B fp16",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import site
@@ -31,16 +32,26 @@ from typing import Any
 
 
 def _bench_module() -> Any:
-    try:  # since the tree was reshaped
-        from kvbridge.cli import transfer_bench as bm
-    except ImportError:  # before: kvbridge/transport/benchmark.py
-        from kvbridge.transport import benchmark as bm  # type: ignore[no-redef]
+    """The transfer bench of the tree on PYTHONPATH: kvbridge_bench's (under
+    kvbench/, since the library and the bench were split), kvbridge_bench.cli's
+    (before), kvbridge/transport/benchmark.py (before the reshape)."""
+    import kvbridge
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(kvbridge.__file__)))
+    if os.path.isdir(os.path.join(tree, "kvbench", "kvbridge_bench")):
+        from kvbridge_bench.cli import transfer_bench as bm
+    elif os.path.isdir(os.path.join(tree, "kvbridge", "cli")):
+        bm = importlib.import_module("kvbridge.cli.transfer_bench")
+    else:
+        bm = importlib.import_module("kvbridge.transport.benchmark")
     return bm
 
 
 def _env(tree: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(tree), *site.getsitepackages()])
+    tree = os.path.abspath(tree)
+    paths = [tree, os.path.join(tree, "kvbench"), *site.getsitepackages()]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if os.path.isdir(p))
     return env
 
 

@@ -75,12 +75,20 @@ NB_MODULE(_ucx, m) {
   m.def(
       "encode_done",
       [](nb::bytes sender, nb::bytes rid, uint64_t start, uint64_t end, uint64_t l0, uint64_t l1,
-         uint64_t nbytes) {
-        std::string m = kvb::ucx::encode_done(str(sender), str(rid), start, end, l0, l1, nbytes);
+         uint64_t nbytes, uint64_t pages) {
+        std::string m =
+            kvb::ucx::encode_done(str(sender), str(rid), start, end, l0, l1, nbytes, pages);
         return nb::bytes(m.data(), m.size());
       },
       nb::arg("sender"), nb::arg("rid"), nb::arg("start"), nb::arg("end"), nb::arg("l0"),
-      nb::arg("l1"), nb::arg("nbytes"), "The DONE message the put path sends (messages.py's twin)");
+      nb::arg("l1"), nb::arg("nbytes"), nb::arg("pages") = 0,
+      "The DONE message the put path sends (messages.py's twin)");
+  m.def(
+      "pages_digest",
+      [](Table bt, uint64_t start, uint64_t end, uint64_t page_tokens) {
+        return kvb::ucx::pages_digest(bt.data(), bt.shape(0), start, end, page_tokens);
+      },
+      nb::arg("block_table"), nb::arg("start"), nb::arg("end"), nb::arg("page_tokens"), "The pages digest a DONE names (docs/ucx.md, Control messages)");
   m.def(
       "parse_done",
       [](nb::bytes data) -> nb::object {
@@ -88,10 +96,10 @@ NB_MODULE(_ucx, m) {
         if (!kvb::ucx::parse_done(data.c_str(), data.size(), &d)) return nb::none();
         return nb::make_tuple(nb::bytes(d.sender.data(), d.sender.size()),
                               nb::bytes(d.rid.data(), d.rid.size()), d.start, d.end, d.l0, d.l1,
-                              d.nbytes);
+                              d.nbytes, d.pages);
       },
       nb::arg("data"),
-      "(sender, rid, start, end, l0, l1, nbytes) of a well-formed DONE, else None");
+      "(sender, rid, start, end, l0, l1, nbytes, pages) of a well-formed DONE, else None");
   m.def("status_string", [](int status) {
     return std::string(ucs_status_string(static_cast<ucs_status_t>(status)));
   });
@@ -186,15 +194,20 @@ NB_MODULE(_ucx, m) {
           "poll(max_us, token, yield_us), then take_landed(token): the bytes of the DONEs that "
           "completed expectation `token` (taken out of drain()'s queue), -1 when nothing is "
           "queued, -2 when something else is")
-      .def("add_peer", [](Engine& e, nb::bytes id) { e.add_peer(str(id)); })
-      .def("remove_peer", [](Engine& e, nb::bytes id) { e.remove_peer(str(id)); })
+      .def(
+          "add_peer",
+          [](Engine& e, nb::bytes tag, nb::bytes id) { e.add_peer(str(tag), str(id)); },
+          nb::arg("tag"), nb::arg("agent_id"))
+      .def("remove_peer", [](Engine& e, nb::bytes tag) { e.remove_peer(str(tag)); })
+      .def("set_ep_tag", [](Engine& e, uint64_t ep, nb::bytes tag) { e.set_ep_tag(ep, str(tag)); })
       .def(
           "expect",
           [](Engine& e, uint64_t token, nb::bytes rid, uint64_t start, uint64_t end, uint64_t l0,
-             uint64_t l1,
-             nb::bytes sender) { e.expect(token, str(rid), start, end, l0, l1, str(sender)); },
+             uint64_t l1, nb::bytes sender, uint64_t pages) {
+            e.expect(token, str(rid), start, end, l0, l1, str(sender), pages);
+          },
           nb::arg("token"), nb::arg("rid"), nb::arg("start"), nb::arg("end"), nb::arg("l0"),
-          nb::arg("l1"), nb::arg("sender"))
+          nb::arg("l1"), nb::arg("sender"), nb::arg("pages"))
       .def("unexpect", &Engine::unexpect, nb::arg("token"))
       .def(
           "mark",
@@ -264,9 +277,12 @@ NB_MODULE(_ucx, m) {
                                  l1, &runs);
               bool tiny = !runs.empty() && nbytes / runs.size() < min_mean_run;
               if (!tiny) {
+                uint64_t pages = kvb::ucx::pages_digest(
+                    dbt.data(), dbt.shape(0), static_cast<uint64_t>(start),
+                    static_cast<uint64_t>(end), static_cast<uint64_t>(plan.page_tokens()));
                 std::string note = kvb::ucx::encode_done(
-                    e.agent_id(), id, static_cast<uint64_t>(start), static_cast<uint64_t>(end),
-                    static_cast<uint64_t>(l0), static_cast<uint64_t>(l1), nbytes);
+                    e.ep_tag(ep), id, static_cast<uint64_t>(start), static_cast<uint64_t>(end),
+                    static_cast<uint64_t>(l0), static_cast<uint64_t>(l1), nbytes, pages);
                 p = e.put(ep, runs.data(), runs.size(), note, spin_us);
               }
             }
@@ -276,7 +292,7 @@ NB_MODULE(_ucx, m) {
           nb::arg("start"), nb::arg("end"), nb::arg("l0"), nb::arg("l1"), nb::arg("rid"),
           nb::arg("min_mean_run"), nb::arg("spin_us"),
           "Compute the runs of a range with `plan` and put them, then DONE(rid) from this "
-          "engine's agent id (see put). Returns (op id, status, runs, bytes); status 2: the mean "
+          "endpoint's connection tag (see put). Returns (op id, status, runs, bytes); status 2: the mean "
           "run is below min_mean_run, nothing posted")
       .def(
           "put_prepared",
@@ -285,8 +301,8 @@ NB_MODULE(_ucx, m) {
             kvb::ucx::Posted p;
             {
               nb::gil_scoped_release release;
-              std::string note = kvb::ucx::encode_done(e.agent_id(), id, prep.start, prep.end,
-                                                       prep.l0, prep.l1, prep.nbytes);
+              std::string note = kvb::ucx::encode_done(e.ep_tag(ep), id, prep.start, prep.end,
+                                                       prep.l0, prep.l1, prep.nbytes, prep.pages);
               p = e.put(ep, prep.runs.data(), prep.runs.size(), note, spin_us);
             }
             return nb::make_tuple(p.op_id, p.status);

@@ -40,7 +40,8 @@ if(KVBRIDGE_HAS_UCX)
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/messages.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/progress.cpp
     ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/runs.cpp
-    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/transfer.cpp)
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/ucx/transfer.cpp
+    ${CMAKE_CURRENT_SOURCE_DIR}/csrc/xxh3.cpp)
   target_include_directories(kvbridge_ucx
     PUBLIC ${CMAKE_CURRENT_SOURCE_DIR}/csrc ${KVBRIDGE_UCP_INCLUDE_DIR})
   find_package(Threads REQUIRED)

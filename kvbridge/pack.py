@@ -24,12 +24,17 @@ leaves every buffer untouched.
 
 The implementation lives in :mod:`kvbridge._pack` (``cache``: PagedKVCache;
 ``engines``: vLLM's and SGLang's tensors; ``range``: KVRange and the one-call
-functions; ``plumbing``: argument checks and the compiled core).
+functions; ``plumbing``: argument checks and the compiled core; ``memory``:
+huge pages under host buffers).  :func:`advise_huge_pages` asks the kernel
+to back any host array or tensor with 2 MiB pages (``madvise``, collapsing
+the pages already there); :func:`huge_page_bytes` says how many of its bytes
+huge pages back now; :func:`thp_setting` is the system's THP mode.
 """
 
 from __future__ import annotations
 
 from ._pack.cache import ComponentStrides, PagedKVCache
+from ._pack.memory import advise_huge_pages, huge_page_bytes, thp_setting
 from ._pack.plumbing import BUILT_WITH_CUDA, HAS_CORE, aligned_empty, cuda_available
 from ._pack.range import KVRange, pack, unpack, wire_nbytes, xxh3_64
 
@@ -39,9 +44,12 @@ __all__ = [
     "ComponentStrides",
     "KVRange",
     "PagedKVCache",
+    "advise_huge_pages",
     "aligned_empty",
     "cuda_available",
+    "huge_page_bytes",
     "pack",
+    "thp_setting",
     "unpack",
     "wire_nbytes",
     "xxh3_64",

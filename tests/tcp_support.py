@@ -56,9 +56,9 @@ async def damaged_second_chunk(rx: Any, chunk_size: int) -> tuple[Any, Any]:
     """A one-stream sender to ``rx`` through the emulator's fault proxy, which
     damages the body of the second DATA frame of the first connection;
     returns (proxy, sender).  The caller closes both."""
-    from kvbridge.sim.emulator import CorruptFrame
-    from kvbridge.sim.emulator import FaultProxy as EmulatorFaultProxy
     from kvbridge.transport.tcp import TcpSender
+    from kvbridge_bench.sim.emulator import CorruptFrame
+    from kvbridge_bench.sim.emulator import FaultProxy as EmulatorFaultProxy
 
     proxy = EmulatorFaultProxy(
         ("127.0.0.1", rx.port), [CorruptFrame("body", frames=[1], conns=[0])]

@@ -13,8 +13,8 @@ from tcp_support import arun
 from kvbridge.bridge import DecodeBridge, PeerConfig, PrefillBridge
 from kvbridge.errors import IncompatiblePeer, RemoteProtocolError
 from kvbridge.layout import KVLayout
-from kvbridge.sim.emulator import ProxyEmulator
 from kvbridge.transport import ucx
+from kvbridge_bench.sim.emulator import ProxyEmulator
 
 pytest.importorskip("kvbridge._core")
 if not ucx.available():

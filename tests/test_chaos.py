@@ -39,7 +39,9 @@ import pytest
 from tcp_support import arun
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.sim.emulator import (
+from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver, TcpSender
+from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge_bench.sim.emulator import (
     Blackhole,
     CorruptFrame,
     FaultProxy,
@@ -48,9 +50,7 @@ from kvbridge.sim.emulator import (
     ResetAfter,
     Stall,
 )
-from kvbridge.sim.emulator.faults import FRAME_FIELDS, Fault
-from kvbridge.transport.tcp import ReceiverLimits, TcpReceiver, TcpSender
-from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge_bench.sim.emulator.faults import FRAME_FIELDS, Fault
 
 pytestmark = pytest.mark.chaos
 

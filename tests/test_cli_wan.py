@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvbridge.cli import transfer_bench as bm
-from kvbridge.cli.wan import goodput_argv, goodput_of
+from kvbridge_bench.cli import transfer_bench as bm
+from kvbridge_bench.cli.wan import goodput_argv, goodput_of
 
 
 @pytest.mark.timeout(120)

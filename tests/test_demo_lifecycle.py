@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("kvbridge._core")
 
-from kvbridge.demo.lifecycle import PARENT_ENV, child_env
+from kvbridge_bench.demo.lifecycle import PARENT_ENV, child_env
 
 NS_DIR = Path("/run/netns")
 
@@ -66,10 +66,10 @@ PARENT = textwrap.dedent(
     """
     import asyncio, json, os, sys, tempfile
     from pathlib import Path
-    from kvbridge.demo.config import DemoConfig
-    from kvbridge.demo.control import ControlClient
-    from kvbridge.demo.driver import RoleProcesses
-    from kvbridge.sim.emulator import WanEmulator
+    from kvbridge_bench.demo.config import DemoConfig
+    from kvbridge_bench.demo.control import ControlClient
+    from kvbridge_bench.demo.driver import RoleProcesses
+    from kvbridge_bench.sim.emulator import WanEmulator
 
     mode = "netns" if WanEmulator.available()[0] else "proxy"
     cfg = DemoConfig.smoke().replace(rld_transport="tcp")
@@ -132,7 +132,7 @@ def test_roles_die_with_a_parent_killed_by_sigkill() -> None:
 def test_role_exits_promptly_on_sigterm_with_its_worker_busy(tmp_path: Path) -> None:
     """The prefill's worker thread computes for many seconds (a long warm-up
     of the prefix cache); SIGTERM still ends the process within 3 s."""
-    from kvbridge.demo.config import DemoConfig
+    from kvbridge_bench.demo.config import DemoConfig
 
     cfg = DemoConfig.smoke().replace(
         rld_transport="tcp",
@@ -147,7 +147,7 @@ def test_role_exits_promptly_on_sigterm_with_its_worker_busy(tmp_path: Path) -> 
     cfg_path.write_text(cfg.to_json())
     sock = str(tmp_path / "p.sock")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.demo.roles", "p", str(cfg_path), sock],
+        [sys.executable, "-m", "kvbridge_bench.demo.roles", "p", str(cfg_path), sock],
         env=child_env(),
     )
     caller: subprocess.Popen[str] | None = None
@@ -155,7 +155,7 @@ def test_role_exits_promptly_on_sigterm_with_its_worker_busy(tmp_path: Path) -> 
         script = textwrap.dedent(
             f"""
             import asyncio, random
-            from kvbridge.demo.control import ControlClient
+            from kvbridge_bench.demo.control import ControlClient
             async def main():
                 c = ControlClient({sock!r})
                 await c.connect(timeout=60.0)
@@ -203,7 +203,7 @@ def test_role_refuses_to_start_after_its_parent_died(tmp_path: Path) -> None:
     env = dict(os.environ)
     env[PARENT_ENV] = "1"  # never this process's parent
     proc = subprocess.run(
-        [sys.executable, "-m", "kvbridge.demo.roles", "p", "/nonexistent", "/nonexistent"],
+        [sys.executable, "-m", "kvbridge_bench.demo.roles", "p", "/nonexistent", "/nonexistent"],
         env=env,
         timeout=60,
         capture_output=True,

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.demo.config import DemoConfig
-from kvbridge.demo.engines import (
+from kvbridge.errors import Cancelled
+from kvbridge.handoff.params import SamplingParams
+from kvbridge_bench.demo.config import DemoConfig
+from kvbridge_bench.demo.engines import (
     cached_reference_streams,
     reference_key,
     reference_streams,
     verify_streams,
 )
-from kvbridge.errors import Cancelled
-from kvbridge.handoff.params import SamplingParams
 
 
 def _requests(n: int = 3) -> list[tuple[int, list[int], SamplingParams]]:

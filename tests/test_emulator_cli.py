@@ -55,11 +55,11 @@ def cli_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str, int]]:
     """The emulator's command line, its listening address read; killed and
     reaped at the end if it is still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.sim.emulator", *args],
+        [sys.executable, "-m", "kvbridge_bench.sim.emulator", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kvbench")])),
     )
     try:
         assert proc.stdout is not None
@@ -127,7 +127,7 @@ def test_cli_rejects_bad_values() -> None:
         [
             sys.executable,
             "-m",
-            "kvbridge.sim.emulator",
+            "kvbridge_bench.sim.emulator",
             "proxy",
             "--target",
             "x:1",
@@ -136,7 +136,7 @@ def test_cli_rejects_bad_values() -> None:
         ],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kvbench")])),
         timeout=30,
         check=False,
     )

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.sim.emulator import (
+from kvbridge_bench.sim.emulator import (
     Blackhole,
     CorruptFrame,
     DropAtAccept,
@@ -23,7 +23,7 @@ from kvbridge.sim.emulator import (
     ResetAfter,
     Stall,
 )
-from kvbridge.sim.emulator.faults import FRAME_FIELDS
+from kvbridge_bench.sim.emulator.faults import FRAME_FIELDS
 
 
 def run(coro: Coroutine[Any, Any, None], timeout: float = 30.0) -> None:

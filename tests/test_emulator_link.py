@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.sim.emulator import (
+from kvbridge_bench.sim.emulator import (
     Link,
     LinkParams,
     parse_fraction,
@@ -15,8 +15,8 @@ from kvbridge.sim.emulator import (
     parse_size,
     parse_time,
 )
-from kvbridge.sim.emulator.__main__ import split_commands
-from kvbridge.sim.emulator.tcpproxy import parse_hostport
+from kvbridge_bench.sim.emulator.__main__ import split_commands
+from kvbridge_bench.sim.emulator.tcpproxy import parse_hostport
 
 
 @pytest.mark.parametrize(

@@ -26,8 +26,8 @@ from typing import TypeVar
 import pytest
 
 from kvbridge.errors import InvalidArgument, Unavailable
-from kvbridge.sim.emulator import LinkParams, WanEmulator
-from kvbridge.sim.emulator import netns as netns_mod
+from kvbridge_bench.sim.emulator import LinkParams, WanEmulator
+from kvbridge_bench.sim.emulator import netns as netns_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, WHY = WanEmulator.available()
@@ -263,9 +263,9 @@ def test_popen_run_and_sysctl() -> None:
 
 
 def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kvbench")]))
     return subprocess.run(
-        [sys.executable, "-m", "kvbridge.sim.emulator", *args],
+        [sys.executable, "-m", "kvbridge_bench.sim.emulator", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -305,9 +305,9 @@ def test_cli_check_run_and_cleanup() -> None:
 @contextlib.contextmanager
 def _emulator_cli(*args: str) -> Iterator[subprocess.Popen[str]]:
     """The emulator's command line in a child (stdout piped); killed if still up."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kvbench")]))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.sim.emulator", *args],
+        [sys.executable, "-m", "kvbridge_bench.sim.emulator", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -397,7 +397,7 @@ def test_asyncio_endpoints_on_both_sides(use_uvloop: bool) -> None:
 def test_owner_killed_leaves_namespaces_that_cleanup_stale_removes() -> None:
     script = (
         "import json,time\n"
-        "from kvbridge.sim.emulator import WanEmulator\n"
+        "from kvbridge_bench.sim.emulator import WanEmulator\n"
         "e=WanEmulator(rtt_ms=2).start()\n"
         "print(json.dumps([e.ns_a,e.ns_b,e._fwd.pid]),flush=True)\n"
         "time.sleep(60)\n"
@@ -406,7 +406,7 @@ def test_owner_killed_leaves_namespaces_that_cleanup_stale_removes() -> None:
         [sys.executable, "-c", script],
         stdout=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kvbench")])),
     )
     assert owner.stdout is not None
     ns_a, ns_b, fwd_pid = json.loads(owner.stdout.readline())

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.sim.emulator import LinkParams, ProxyEmulator
+from kvbridge_bench.sim.emulator import LinkParams, ProxyEmulator
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

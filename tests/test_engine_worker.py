@@ -19,9 +19,9 @@ from kvbridge.handoff.node import HandoffNode
 from kvbridge.handoff.stream import StreamMerge
 from kvbridge.handoff.worker import EngineWorker
 from kvbridge.pdd.aio import run_main
-from kvbridge.reference import DecoderConfig, ReferenceDecoder
-from kvbridge.sim.handoff_scenario import decode_alone
-from kvbridge.sim.network import MemoryNetwork
+from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
+from kvbridge_bench.sim.handoff_scenario import decode_alone
+from kvbridge_bench.sim.network import MemoryNetwork
 
 CFG = DecoderConfig(
     num_layers=2,

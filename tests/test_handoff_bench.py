@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvbridge.cli import handoff
+from kvbridge_bench.cli import handoff
 
 
 def main(argv: list[str]) -> int:

@@ -21,9 +21,9 @@ from kvbridge.handoff import (
 )
 from kvbridge.handoff.driver import Pace
 from kvbridge.pdd import RelayBudget
-from kvbridge.reference import DecoderConfig, ReferenceDecoder
-from kvbridge.sim.handoff_scenario import Scenario, ScenarioResult, decode_alone, run_scenario
-from kvbridge.sim.network import LinkModel
+from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
+from kvbridge_bench.sim.handoff_scenario import Scenario, ScenarioResult, decode_alone, run_scenario
+from kvbridge_bench.sim.network import LinkModel
 
 CFG = DecoderConfig(
     num_layers=2,
@@ -248,7 +248,7 @@ def test_p_md_pipeline_without_relay(decoders: tuple[ReferenceDecoder, ...]) -> 
     from kvbridge.handoff.driver import prefill_request
     from kvbridge.handoff.node import HandoffNode
     from kvbridge.pdd.aio import collect_stream, run_main
-    from kvbridge.sim.network import MemoryNetwork
+    from kvbridge_bench.sim.network import MemoryNetwork
 
     p, _, m = decoders
     params = SamplingParams(max_new_tokens=25, temperature=1.0, seed=5)

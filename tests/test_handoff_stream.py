@@ -81,7 +81,7 @@ def test_node_routes_early_messages_and_rejects_garbage() -> None:
 
     from kvbridge.handoff import Ready, encode
     from kvbridge.handoff.node import MAX_EARLY_REQUESTS, HandoffNode
-    from kvbridge.sim.network import MemoryNetwork
+    from kvbridge_bench.sim.network import MemoryNetwork
 
     async def go() -> None:
         net = MemoryNetwork()

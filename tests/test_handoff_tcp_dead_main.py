@@ -24,9 +24,9 @@ from kvbridge.handoff.messages import Kind, StreamTokens, decode
 from kvbridge.handoff.node import HandoffNode
 from kvbridge.handoff.stream import StreamMerge
 from kvbridge.pdd.aio import run_main, run_relay
-from kvbridge.reference import DecoderConfig, ReferenceDecoder
-from kvbridge.sim.handoff_scenario import decode_alone
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
+from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder
+from kvbridge_bench.sim.handoff_scenario import decode_alone
 
 CFG = DecoderConfig(
     num_layers=2,

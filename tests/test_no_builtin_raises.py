@@ -1,7 +1,8 @@
 """No library path raises a built-in exception where a kvbridge error
 belongs: every ``raise`` of a built-in exception class anywhere in the
-package (all layers, programs too) fails this test unless the allow-list
-below names it with its reason."""
+library (all layers) and in the bench (kvbridge_bench: the programs, the
+demo, the simulation) fails this test unless the allow-list below names it
+with its reason."""
 
 from __future__ import annotations
 
@@ -9,23 +10,24 @@ import ast
 import builtins
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "kvbridge"
+ROOT = Path(__file__).resolve().parent.parent
+PKGS = [ROOT / "kvbridge", ROOT / "kvbench" / "kvbridge_bench"]
 
 BUILTIN_EXCEPTIONS = {
     name for name, obj in vars(builtins).items()
     if isinstance(obj, type) and issubclass(obj, BaseException)
 }  # fmt: skip
 
-# (file relative to kvbridge/, exception): why a built-in is right there
+# (file relative to the package's parent, exception): why a built-in is right there
 ALLOWED = {
     # a module's __getattr__ must raise AttributeError (the import protocol)
-    ("__init__.py", "AttributeError"),
-    ("integrations/vllm/__init__.py", "AttributeError"),
+    ("kvbridge/__init__.py", "AttributeError"),
+    ("kvbridge/integrations/vllm/__init__.py", "AttributeError"),
     # RadixCache.validate() is the tests' invariant checker: an assertion
-    ("cache/radix.py", "AssertionError"),
+    ("kvbridge/cache/radix.py", "AssertionError"),
     # a failed libc setns() reported with its errno, as the os module does;
     # the caller maps it (netns.enter_netns)
-    ("sim/emulator/netns.py", "OSError"),
+    ("kvbridge_bench/sim/emulator/netns.py", "OSError"),
 }
 # raised to end a generator or to mark an abstract method: not errors
 NOT_ERRORS = {"StopIteration", "StopAsyncIteration", "NotImplementedError", "KeyboardInterrupt",
@@ -34,8 +36,8 @@ NOT_ERRORS = {"StopIteration", "StopAsyncIteration", "NotImplementedError", "Key
 
 def builtin_raises() -> list[tuple[str, int, str]]:
     out = []
-    for path in sorted(PKG.rglob("*.py")):
-        rel = path.relative_to(PKG).as_posix()
+    for path in sorted(p for pkg in PKGS for p in pkg.rglob("*.py")):
+        rel = next(path.relative_to(pkg.parent) for pkg in PKGS if pkg in path.parents).as_posix()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.Raise) or node.exc is None:
                 continue
@@ -50,7 +52,7 @@ def builtin_raises() -> list[tuple[str, int, str]]:
 def test_no_bare_builtin_raises_in_the_package() -> None:
     found = builtin_raises()
     assert not found, "raise a kvbridge.errors class instead:\n" + "\n".join(
-        f"  kvbridge/{f}:{line}: raise {name}" for f, line, name in found
+        f"  {f}:{line}: raise {name}" for f, line, name in found
     )
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.cli import radix as radix_cli
 from kvbridge.errors import InvalidArgument
 from kvbridge.layout import KVLayout
 from kvbridge.router import RouterConfig
-from kvbridge.sim.prefix_bench import run_prefix_bench
-from kvbridge.sim.trace import AgentTraceConfig, Trace, generate_agent_trace
-from kvbridge.sim.trace_format import write_jsonl
+from kvbridge_bench.cli import radix as radix_cli
+from kvbridge_bench.sim.prefix_bench import run_prefix_bench
+from kvbridge_bench.sim.trace import AgentTraceConfig, Trace, generate_agent_trace
+from kvbridge_bench.sim.trace_format import write_jsonl
 
 LAYOUT = KVLayout.for_model("llama-3-8b")
 

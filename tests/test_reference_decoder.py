@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvbridge.errors import DTypeError, InvalidArgument, LayoutError, ResourceLimit
-from kvbridge.reference import DecoderConfig, Engine, ReferenceDecoder, SamplingParams, sample
+from kvbridge_bench.reference import DecoderConfig, Engine, ReferenceDecoder, SamplingParams, sample
 
 CFG = DecoderConfig(
     num_layers=2,

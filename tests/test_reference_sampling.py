@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.reference import SamplingParams, is_last, sample
+from kvbridge_bench.reference import SamplingParams, is_last, sample
 
 
 def logits(seed: int, n: int = 64) -> torch.Tensor:

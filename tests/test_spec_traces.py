@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbridge.sim.trace_format import TraceFormatError, dump_jsonl, load_jsonl, parse_jsonl
+from kvbridge_bench.sim.trace_format import TraceFormatError, dump_jsonl, load_jsonl, parse_jsonl
 
 ROOT = Path(__file__).parent / "spec_peer" / "traces"
 

@@ -22,10 +22,10 @@ import pytest
 from tcp_support import OnceSink, arun
 
 from kvbridge.errors import InvalidArgument, KVBridgeError
-from kvbridge.sim.emulator import CorruptFrame, DropAtAccept, FaultProxy, Stall
 from kvbridge.transport.handle import DEFAULT_TRANSFER_TIMEOUT, transfer_timeout
 from kvbridge.transport.tcp import TcpReceiver, TcpSender
 from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+from kvbridge_bench.sim.emulator import CorruptFrame, DropAtAccept, FaultProxy, Stall
 
 KiB, MiB = 1024, 1 << 20
 HERE = Path(__file__).resolve().parent

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge.sim.ideal_cache import IdealPrefixCache
-from kvbridge.sim.trace import (
+from kvbridge_bench.sim.ideal_cache import IdealPrefixCache
+from kvbridge_bench.sim.trace import (
     AgentTraceConfig,
     GenSegment,
     LiteralSegment,
@@ -22,7 +22,7 @@ from kvbridge.sim.trace import (
     generate_agent_trace,
     hit_stats,
 )
-from kvbridge.sim.trace_format import TraceFormatError, dump_jsonl, load_jsonl, parse_jsonl
+from kvbridge_bench.sim.trace_format import TraceFormatError, dump_jsonl, load_jsonl, parse_jsonl
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -117,7 +117,7 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
         TraceRequest("lit", "user", tr.requests[-1].arrival_s + 1, 3, (LiteralSegment((1, 2)),))
     )
     path = tmp_path / "t.jsonl"
-    from kvbridge.sim.trace_format import write_jsonl
+    from kvbridge_bench.sim.trace_format import write_jsonl
 
     write_jsonl(tr, path)
     back = load_jsonl(path)

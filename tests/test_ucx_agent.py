@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 from ucx_cases import SMALL, make_cache, same_tokens
+from ucx_cases import agent as ucx_agent
 
 from kvbridge.errors import (
     Cancelled,
@@ -54,8 +55,8 @@ async def pair(
 ) -> tuple[ucx.UcxAgent, ucx.UcxAgent, ucx.UcxPeer, list[np.ndarray], list[np.ndarray]]:
     src, dst = make_cache(la, pages_a, 7), make_cache(lb, pages_b, None)
     kw.setdefault("min_put_run_bytes", 0)  # these pages are tiny; always put unless told
-    a = ucx.UcxAgent(la, src, packer=packer(), **kw)
-    b = ucx.UcxAgent(lb, dst, packer=packer(), **kw)
+    a = ucx_agent(la, src, packer=packer(), **kw)
+    b = ucx_agent(lb, dst, packer=packer(), **kw)
     peer = await a.connect(b.metadata())
     return a, b, peer, src, dst
 
@@ -227,9 +228,9 @@ def test_bad_input_is_rejected_before_posting() -> None:
 
 def test_mismatched_layouts_rejected_with_message() -> None:
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None))
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, None))
         other = SMALL.replace(num_kv_heads=4)
-        b = ucx.UcxAgent(other, make_cache(other, 8, None))
+        b = ucx_agent(other, make_cache(other, 8, None))
         with pytest.raises(IncompatiblePeer, match="does not fit"):
             await a.connect(b.metadata())
         await a.close()
@@ -245,14 +246,14 @@ def test_peer_with_another_shared_memory_fifo_is_refused_before_an_endpoint() ->
     typed error, without creating an endpoint; equal ones connect."""
 
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None))
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
-        assert a.shm_fifo == (256, 256) and b.shm_fifo == (128, 256)
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, None))
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
+        assert a._shm_fifo == (256, 256) and b._shm_fifo == (128, 256)
         for x, y in ((a, b), (b, a)):
             with pytest.raises(IncompatiblePeer, match="shared-memory FIFO"):
                 await x.connect(y.metadata())
             assert not x.peers
-        c = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
+        c = ucx_agent(SMALL, make_cache(SMALL, 8, None), config={"MM_FIFO_ELEM_SIZE": "128"})
         peer = await b.connect(c.metadata())  # two of UCX's default FIFO
         assert peer.error is None
         for agent in (a, b, c):
@@ -263,8 +264,8 @@ def test_peer_with_another_shared_memory_fifo_is_refused_before_an_endpoint() ->
 
 def test_corrupt_and_stale_metadata_rejected() -> None:
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None))
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None))
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, None))
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None))
         blob = bytearray(b.metadata())
         blob[40] ^= 1
         with pytest.raises(RemoteProtocolError):
@@ -283,14 +284,15 @@ def test_metadata_over_tcp_control_connection() -> None:
 
     async def body() -> None:
         a, b, _, src, _ = await pair(SMALL, SMALL)
-        b2 = ucx.UcxAgent(SMALL, make_cache(SMALL, 16, None))
+        dst2 = make_cache(SMALL, 16, None)
+        b2 = ucx_agent(SMALL, dst2)
         server = await serve_metadata(b2, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         peer = await connect_via_tcp(a, "127.0.0.1", port)
         he = b2.expect("t", np.arange(4), 0, 30)
         await peer.send("t", np.arange(4), np.arange(4), 0, 30)
         await he
-        assert same_tokens(SMALL, src, np.arange(4), SMALL, b2.cache, np.arange(4), 0, 30)
+        assert same_tokens(SMALL, src, np.arange(4), SMALL, dst2, np.arange(4), 0, 30)
         server.close()
         await server.wait_closed()
         for x in (a, b, b2):

@@ -9,11 +9,19 @@ from pathlib import Path
 
 from kvbridge.layout import KVLayout
 from kvbridge.transport.ucx.messages import (
+    AckBlob,
+    HelloBlob,
     Kind,
     Message,
-    abort_code_v2,
+    ack_proof,
+    decode_ack_blob,
+    decode_hello_blob,
     decode_message,
+    encode_ack_blob,
+    encode_hello_blob,
     encode_message,
+    hello_proof,
+    pages_digest_py,
 )
 from kvbridge.transport.ucx.metadata import (
     AgentMetadata,
@@ -53,14 +61,41 @@ def test_metadata_vector() -> None:
 
 
 def test_control_message_vectors() -> None:
-    done = Message(Kind.DONE, bytes(range(16)), "r1", start=0, end=32, l0=0, l1=2, nbytes=4096)
+    import numpy as np
+
+    from kvbridge.transport.ucx.loader import load
+    from kvbridge.transport.ucx.metadata import decode_metadata
+
+    pages = pages_digest_py([3, 9], 0, 32, 16)
+    assert pages == 0xD1770110B250E38C  # the digest the page names
+    mod = load()
+    if mod is not None:  # the engine's digest is the same
+        assert mod.pages_digest(np.array([3, 9], dtype=np.int64), 0, 32, 16) == pages
+    done = Message(
+        Kind.DONE, bytes(range(16)), "r1", start=0, end=32, l0=0, l1=2, nbytes=4096, offset=pages
+    )
     abort = Message(Kind.ABORT, b"A" * 16, "r1", code=10, text="timeout")
-    # the same ABORT as a version 1 peer wrote it: code 2 was its timeout
-    abort_v1 = Message(Kind.ABORT, b"A" * 16, "r1", code=2, text="timeout", version=1)
-    msgs = [done, abort, abort_v1]
+    key, me, target, tag, ack_tag = (
+        b"kvbridge ucx doc key",
+        bytes(range(16)),
+        b"B" * 16,
+        b"T" * 16,
+        b"U" * 16,
+    )
+    (md,) = _block("ucx-metadata")
+    proof = hello_proof(key, me, target, 1234567890, tag, "p")
+    hello = Message(
+        Kind.HELLO, me, code=1234567890, blob=encode_hello_blob(HelloBlob(tag, proof, "p", md))
+    )
+    aproof = ack_proof(key, target, me, tag, ack_tag, "d")
+    ack = Message(Kind.HELLO_ACK, tag, blob=encode_ack_blob(AckBlob(ack_tag, aproof, "d")))
+    msgs = [done, abort, hello, ack]
     assert _block("ucx-messages") == [encode_message(m) for m in msgs]
-    assert [decode_message(v) for v in _block("ucx-messages")] == msgs
-    assert abort_code_v2(abort) == abort_code_v2(abort_v1) == 10  # ErrorCode.TIMEOUT
+    got = [decode_message(v) for v in _block("ucx-messages")]
+    assert got == msgs
+    hb = decode_hello_blob(got[2].blob)
+    assert hb == HelloBlob(tag, proof, "p", md) and decode_metadata(hb.metadata).agent_id == me
+    assert decode_ack_blob(got[3].blob) == AckBlob(ack_tag, aproof, "d")
 
 
 def test_exact_hash_recipe() -> None:

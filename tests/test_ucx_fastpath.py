@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from ucx_cases import SMALL, make_cache, same_tokens
+from ucx_cases import agent as ucx_agent
 
 from kvbridge.errors import (
     IncompatiblePeer,
@@ -25,7 +26,7 @@ from kvbridge.errors import (
 from kvbridge.layout import DType, KVLayout
 from kvbridge.transport import ucx
 from kvbridge.transport.ucx.loader import load
-from kvbridge.transport.ucx.messages import Kind, Message, decode_message, encode_message
+from kvbridge.transport.ucx.messages import Kind, Message, encode_message
 
 pytestmark = [
     pytest.mark.ucx,
@@ -43,29 +44,50 @@ def run(fn: Callable[[], Awaitable[None]], timeout: float = 30.0) -> None:
 # ---- the DONE codec in C++ -------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("rid", "fields"),
-    [("r1", (0, 32, 0, 2, 4096)), ("", (0, 0, 0, 0, 0)), ("é" * 512, (5, 2**40, 3, 7, 2**63))],
+    [
+        ("r1", (0, 32, 0, 2, 4096, 7)),
+        ("", (0, 0, 0, 0, 0, 0)),
+        ("é" * 512, (5, 2**40, 3, 7, 2**63, 2**64 - 1)),
+    ],
 )
 def test_done_encoded_in_cpp_is_the_python_encoding(rid: str, fields: tuple[int, ...]) -> None:
     mod = load()
     sender = bytes(range(16))
-    start, end, l0, l1, nbytes = fields
-    ours = mod.encode_done(sender, rid.encode(), start, end, l0, l1, nbytes)
-    assert ours == encode_message(Message(Kind.DONE, sender, rid, start, end, l0, l1, nbytes))
-    assert mod.parse_done(ours) == (sender, rid.encode(), start, end, l0, l1, nbytes)
+    start, end, l0, l1, nbytes, pages = fields
+    ours = mod.encode_done(sender, rid.encode(), start, end, l0, l1, nbytes, pages)
+    want = Message(Kind.DONE, sender, rid, start, end, l0, l1, nbytes, offset=pages)
+    assert ours == encode_message(want)
+    assert mod.parse_done(ours) == (sender, rid.encode(), start, end, l0, l1, nbytes, pages)
+
+
+def test_pages_digest_in_cpp_is_the_documented_one() -> None:
+    from kvbridge.transport.ucx.messages import pages_digest_py
+
+    mod = load()
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        pt = int(rng.integers(1, 17))
+        start = int(rng.integers(0, 40))
+        end = int(rng.integers(start, 80))
+        bt = rng.integers(-(2**40), 2**40, -(-80 // pt)).astype(np.int64)
+        want = pages_digest_py([int(x) for x in bt], start, end, pt)
+        assert mod.pages_digest(bt, start, end, pt) == want
+    # a table one page short of the range is refused
+    with pytest.raises(IndexError):
+        mod.pages_digest(np.arange(2, dtype=np.int64), 0, 9, 4)
 
 
 def test_cpp_parses_only_well_formed_done() -> None:
     mod = load()
     sender = b"A" * 16
     good = encode_message(Message(Kind.DONE, sender, "r", 1, 2, 0, 1, 8, text="t", blob=b"b"))
-    assert mod.parse_done(good) == (sender, b"r", 1, 2, 0, 1, 8)
-    v1 = good[:2] + b"\x01" + good[3:]  # version 1 DONE: the same fields
-    assert mod.parse_done(v1) is not None and decode_message(v1).kind is Kind.DONE
+    assert mod.parse_done(good) == (sender, b"r", 1, 2, 0, 1, 8, 0)
     others = [
+        good[:2] + b"\x02" + good[3:],  # version 2 (no connection tags): Python drops it
+        good[:2] + b"\x04" + good[3:],  # version 4
         good[:-1],  # lengths do not add up
         good + b"x",
         b"\x00" + good[1:],  # magic
-        good[:2] + b"\x03" + good[3:],  # version 3
         good[:3] + b"\x08" + good[4:],  # another kind (ABORT)
         good[:100] + (1025).to_bytes(2, "little") + good[102:],  # request id too long
         good[:50],
@@ -77,8 +99,8 @@ def test_cpp_parses_only_well_formed_done() -> None:
 
 def test_request_id_longer_than_the_codec_allows_is_refused_before_posting() -> None:
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
         peer = await a.connect(b.metadata())
         with pytest.raises(InvalidArgument, match="1024"):
             peer.send("x" * 1025, np.arange(2), np.arange(2), 0, 16)
@@ -97,7 +119,7 @@ def test_polling_done_sees_a_landed_receive_without_a_loop_turn(progress: str) -
     async def body() -> None:
         src, dst = make_cache(SMALL, 16, 3), make_cache(SMALL, 16, None)
         kw: dict[str, Any] = {"progress": progress, "min_put_run_bytes": 0}
-        a, b = ucx.UcxAgent(SMALL, src, **kw), ucx.UcxAgent(SMALL, dst, **kw)
+        a, b = ucx_agent(SMALL, src, **kw), ucx_agent(SMALL, dst, **kw)
         peer = await a.connect(b.metadata())
         for i in range(10):
             bt = np.random.default_rng(i).permutation(16)[:5]
@@ -129,8 +151,8 @@ def test_a_receive_takes_only_its_own_request_from_the_engine() -> None:
 
     async def body() -> None:
         src, dst = make_cache(SMALL, 8, 3), make_cache(SMALL, 8, None)
-        a = ucx.UcxAgent(SMALL, src, min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, dst, min_put_run_bytes=0)
+        a = ucx_agent(SMALL, src, min_put_run_bytes=0)
+        b = ucx_agent(SMALL, dst, min_put_run_bytes=0)
         peer = await a.connect(b.metadata())
         bt_x, bt_y = np.array([0, 1]), np.array([2, 3])
         hx = b.expect("x", bt_x, 0, 16)
@@ -158,7 +180,7 @@ def test_a_receive_takes_only_its_own_request_from_the_engine() -> None:
         assert hx.stats.layers_done == SMALL.num_layers
         landed = eng.drain()[3]  # what the loop would account next: hy's DONE alone
         assert [rec[0] for rec in landed] == [hy.token], landed
-        b.expectations.on_landed(*_landed_args(b, landed[0]))
+        b._expectations.on_landed(*_landed_args(b, landed[0]))
         assert hy.settled and hy.stats.bytes == SMALL.wire_nbytes(16)
         assert eng.poll_take(0, hx.token, 0) == -1  # nothing left queued
         assert same_tokens(SMALL, src, bt_x, SMALL, dst, bt_x, 0, 16)
@@ -181,8 +203,8 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
     right after the resolution."""
 
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
         await a.connect(b.metadata())
         loop = asyncio.get_running_loop()
         h = b.expect("hop", np.arange(3), 0, 20)
@@ -195,7 +217,7 @@ def test_awaiting_a_receive_resumes_after_one_loop_hop() -> None:
         task = asyncio.ensure_future(waiter())
         await asyncio.sleep(0)  # the task now waits on the handle
         ex = h.owner
-        b.expectations.on_landed(ex.token, 0, None, SMALL.num_layers, True)  # resolves it
+        b._expectations.on_landed(ex.token, 0, None, SMALL.num_layers, True)  # resolves it
         loop.call_soon(order.append, "one hop later")
         await task
         assert order[0] == "woken", order
@@ -212,11 +234,11 @@ def test_a_finished_receive_leaves_its_deadline_entry_and_stays_a_success() -> N
     receive still pending at its deadline fails and is aborted."""
 
     async def body() -> None:
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
         aborted: list[str] = []
-        b.abort = lambda h, exc: aborted.append(h.request_id)  # type: ignore[method-assign]
+        b._abort = lambda h, exc: aborted.append(h.request_id)  # type: ignore[method-assign]
         early = b.expect("early", np.arange(3), 0, 20, timeout=0.05)
-        b.expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
+        b._expectations.on_landed(early.owner.token, 0, None, SMALL.num_layers, True)
         assert early.done() and len(b._deadlines) == 1
         late = b.expect("late", np.arange(3), 0, 20, timeout=0.6)
         await asyncio.sleep(0.2)  # the timer reached the first entry only
@@ -237,7 +259,7 @@ def test_expected_bytes_are_the_wire_bytes(mla: bool) -> None:
     lay = KVLayout(num_layers=3, num_kv_heads=1 if mla else 2, head_dim=16, page_tokens=4, mla=mla)
 
     async def body() -> None:
-        b = ucx.UcxAgent(lay, make_cache(lay, 8, None))
+        b = ucx_agent(lay, make_cache(lay, 8, None))
         for i, (layers, start, end) in enumerate(
             [(None, 0, 13), ((1, 3), 2, 9), ((0, 0), 0, 4), (None, 5, 5)]
         ):
@@ -262,17 +284,17 @@ def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int, token
     pages = -(-tokens // SMALL.page_tokens)
 
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, pages, 2), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, pages, None), busy_poll_us=busy_poll_us)
+        a = ucx_agent(SMALL, make_cache(SMALL, pages, 2), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, make_cache(SMALL, pages, None), busy_poll_us=busy_poll_us)
         peer = await a.connect(b.metadata())
         spins: list[int] = []
-        poll_now = b.poll_now
+        poll_now = b._poll_now
 
         def recording(spin_us: int = 0, token: int = 0) -> None:
             spins.append(spin_us)
             poll_now(spin_us, token)
 
-        b.poll_now = recording  # type: ignore[method-assign]
+        b._poll_now = recording  # type: ignore[method-assign]
         bt = np.arange(pages)
         h = b.expect("inline", bt, 0, tokens)
         hs = peer.send("inline", bt, bt, 0, tokens)
@@ -289,8 +311,8 @@ def test_await_polls_inline_within_the_busy_poll_window(busy_poll_us: int, token
 def test_cancelling_the_awaiting_task_leaves_the_receive_alone() -> None:
     async def body() -> None:
         src, dst = make_cache(SMALL, 8, 4), make_cache(SMALL, 8, None)
-        a = ucx.UcxAgent(SMALL, src, min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, dst, min_put_run_bytes=0)
+        a = ucx_agent(SMALL, src, min_put_run_bytes=0)
+        b = ucx_agent(SMALL, dst, min_put_run_bytes=0)
         peer = await a.connect(b.metadata())
         he = b.expect("c", np.arange(3), 0, 20)
         task = asyncio.ensure_future(he.wait(5))
@@ -313,9 +335,9 @@ def test_parts_the_table_does_not_take_still_reach_python() -> None:
 
     async def body() -> None:
         src, dst = make_cache(SMALL, 16, 2), make_cache(SMALL, 16, None)
-        a = ucx.UcxAgent(SMALL, src, min_put_run_bytes=0)
-        c = ucx.UcxAgent(SMALL, make_cache(SMALL, 16, 9), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, dst, min_put_run_bytes=0)
+        a = ucx_agent(SMALL, src, min_put_run_bytes=0)
+        c = ucx_agent(SMALL, make_cache(SMALL, 16, 9), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, dst, min_put_run_bytes=0)
         pa, pc = await a.connect(b.metadata()), await c.connect(b.metadata())
         bt = np.arange(7)
         # a layer that lands before its expect, then the rest through the table
@@ -352,8 +374,8 @@ def test_a_part_read_after_its_peer_failed_fails_the_receive() -> None:
     completes the receive still completes it."""
 
     async def body() -> None:
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
         await a.connect(b.metadata())
         (pb,) = b.peers
         bt = np.arange(4)
@@ -365,13 +387,13 @@ def test_a_part_read_after_its_peer_failed_fails_the_receive() -> None:
             await asyncio.sleep(0.01)
         assert isinstance(pb.error, PeerGone)
         assert not (part.done() or whole.done() or staged.done())  # unbound: nothing to fail
-        b.expectations.on_landed(part.owner.token, 0, pb, 1, False)
+        b._expectations.on_landed(part.owner.token, 0, pb, 1, False)
         with pytest.raises(PeerGone):
             await part.wait(1)
-        b.expectations.on_landed(whole.owner.token, 0, pb, SMALL.num_layers, True)
+        b._expectations.on_landed(whole.owner.token, 0, pb, SMALL.num_layers, True)
         assert (await whole.wait(1)).layers_done == SMALL.num_layers
         req = Message(Kind.STAGE_REQ, pb.agent_id, "s", 0, 30, 0, 1, nbytes=1)
-        b.expectations.on_part(pb, req, SMALL.head_range)
+        b._expectations.on_part(pb, req, SMALL.head_range)
         with pytest.raises(PeerGone):
             await staged.wait(1)
         await b.close()
@@ -394,7 +416,7 @@ def test_put_window_moves_every_run_exactly(window: int) -> None:
         pages = 96
         src, dst = make_cache(PAGED, pages, 5), make_cache(PAGED, pages, None)
         kw: dict[str, Any] = {"put_window": window, "min_put_run_bytes": 0}
-        a, b = ucx.UcxAgent(PAGED, src, **kw), ucx.UcxAgent(PAGED, dst, **kw)
+        a, b = ucx_agent(PAGED, src, **kw), ucx_agent(PAGED, dst, **kw)
         peer = await a.connect(b.metadata())
         rng = np.random.default_rng(window)
         big_src, big_dst = rng.permutation(pages)[:80], rng.permutation(pages)[:80]
@@ -417,7 +439,7 @@ def test_put_window_moves_every_run_exactly(window: int) -> None:
 
 def test_put_window_is_checked() -> None:
     with pytest.raises(InvalidArgument):
-        ucx.UcxAgent(SMALL, make_cache(SMALL, 4, None), put_window=-1)
+        ucx_agent(SMALL, make_cache(SMALL, 4, None), put_window=-1)
 
 
 # ---- a send prepared once, posted under many request ids ------------------------------------
@@ -429,8 +451,8 @@ def test_a_prepared_send_moves_its_range_under_each_request_id(layout: KVLayout)
 
     async def body() -> None:
         src, dst = make_cache(layout, 16, 4), make_cache(layout, 16, None)
-        a = ucx.UcxAgent(layout, src, min_put_run_bytes=0)
-        b = ucx.UcxAgent(layout, dst, min_put_run_bytes=0)
+        a = ucx_agent(layout, src, min_put_run_bytes=0)
+        b = ucx_agent(layout, dst, min_put_run_bytes=0)
         peer = await a.connect(b.metadata())
         sbt, dbt = np.array([3, 9, 4]), np.array([12, 0, 7])
         prep = peer.prepare_send(sbt, dbt, 2, 21, layers=(1, 3))
@@ -463,10 +485,10 @@ def test_a_prepared_send_is_checked_when_made() -> None:
     async def body() -> None:
         from kvbridge.errors import LayoutError, PageIndexError
 
-        a = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
-        b = ucx.UcxAgent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
+        a = ucx_agent(SMALL, make_cache(SMALL, 8, 1), min_put_run_bytes=0)
+        b = ucx_agent(SMALL, make_cache(SMALL, 8, None), min_put_run_bytes=0)
         other = SMALL.replace(page_tokens=16)
-        c = ucx.UcxAgent(other, make_cache(other, 8, None), min_put_run_bytes=0)
+        c = ucx_agent(other, make_cache(other, 8, None), min_put_run_bytes=0)
         peer = await a.connect(b.metadata())
         with pytest.raises(LayoutError):
             peer.prepare_send(np.arange(2), np.arange(2), 9, 3)
@@ -479,7 +501,7 @@ def test_a_prepared_send_is_checked_when_made() -> None:
         with pytest.raises(LayoutError, match="same layout"):
             (await a.connect(c.metadata())).prepare_send(np.arange(1), np.arange(1), 0, 8)
         prep = peer.prepare_send(np.arange(2), np.arange(2), 0, 16)
-        peer.gone(PeerGone("test: the peer went away"))
+        peer._gone(PeerGone("test: the peer went away"))
         with pytest.raises(PeerGone):
             prep.post("r")
         for agent in (a, b, c):

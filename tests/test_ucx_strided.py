@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
+from ucx_cases import agent as ucx_agent
 
 from kvbridge.errors import PageIndexError, ShapeError
 from kvbridge.layout import MemoryOrder
@@ -69,8 +70,8 @@ def test_vllm_views_move_by_staging_into_other_block_sizes() -> None:
         k = torch.randn(LAYERS, end - start, HEADS, HEAD, generator=g).to(torch.bfloat16)
         v = torch.randn(LAYERS, end - start, HEADS, HEAD, generator=g).to(torch.bfloat16)
         write_vllm(sv, slots(sbt, 16, start, end), k, v, kv_split="cpu")
-        a = ucx.UcxAgent(sc.layout, sc, packer=pack, staging_bytes=1 << 16)
-        b = ucx.UcxAgent(dc.layout, dc, packer=pack, staging_bytes=1 << 16)
+        a = ucx_agent(sc.layout, sc, packer=pack, staging_bytes=1 << 16)
+        b = ucx_agent(dc.layout, dc, packer=pack, staging_bytes=1 << 16)
         md = decode_metadata(b.metadata())
         assert md.layout.order is MemoryOrder.STRIDED
         assert not check_layouts(sc.layout, md.layout)
@@ -99,4 +100,4 @@ def test_vllm_views_move_by_staging_into_other_block_sizes() -> None:
 def test_a_strided_layout_needs_its_cache() -> None:
     views, c = cache(16, 8)
     with pytest.raises(ShapeError, match="PagedKVCache"):
-        ucx.UcxAgent(c.layout, views, packer=pack)
+        ucx_agent(c.layout, views, packer=pack)

@@ -285,28 +285,34 @@ def test_hello_from_a_peer_with_another_fifo_gets_no_endpoint() -> None:
     HELLO_NACK, since writing into that peer's FIFO would go astray; the
     same HELLO with a bad epoch but a matching FIFO is answered."""
     from kvbridge.transport.ucx.hello import Hellos
+    from kvbridge.transport.ucx.messages import HelloBlob, encode_hello_blob
 
     class Host:
-        agent_id, epoch, layout, timeout, shm_fifo = b"B" * 16, 7, SMALL, 1.0, (256, 256)
+        agent_id, _epoch, layout, _timeout, _shm_fifo = b"B" * 16, 7, SMALL, 1.0, (256, 256)
+        _psk, _allow_unauthenticated, _peers = None, True, {}
 
         def __init__(self) -> None:
             self.made: list[AgentMetadata] = []
             self.posted: list[Message] = []
 
-        def make_peer(self, md: AgentMetadata, same: bool) -> object:
+        def _make_peer(self, md: AgentMetadata, same: bool, listed: bool = True) -> object:
             self.made.append(md)
             return object()
 
-        def post_message(self, peer: object, msg: Message, on_sent: object = None) -> None:
+        def _post(self, peer: object, msg: Message, on_sent: object = None) -> None:
             self.posted.append(msg)
 
-        def known_peer(self, agent_id: bytes) -> None:
+        def _count(self, what: str) -> None:
+            pass
+
+        def _psk_key(self, identity: str) -> None:
             return None
 
     for fifo, answered in (((128, 256), False), ((256, 256), True)):
         host = Host()
         md = dataclasses.replace(_md(), shm_fifo=fifo)
+        blob = encode_hello_blob(HelloBlob(b"T" * 16, bytes(32), "a", encode_metadata(md)))
         # epoch 1 names an earlier incarnation of the host: refused either way
-        Hellos(host).on_hello(Message(Kind.HELLO, md.agent_id, code=1, blob=encode_metadata(md)))
+        Hellos(host).on_hello(Message(Kind.HELLO, md.agent_id, code=1, blob=blob))  # type: ignore[arg-type]
         assert bool(host.made) is answered
         assert [m.kind for m in host.posted] == ([Kind.HELLO_NACK] if answered else [])

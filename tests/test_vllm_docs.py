@@ -9,7 +9,7 @@ from pathlib import Path
 
 from vllm_e2e_spec import e2e_spec
 
-from kvbridge.cli.vllm_cluster import VllmCluster
+from kvbridge_bench.cli.vllm_cluster import VllmCluster
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
 PORTS = {"p": 8100, "md": 8200, "rld": 8300, "md_kvb": 7400, "rld_kvb": 7401, "proxy": 8000}

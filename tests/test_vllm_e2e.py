@@ -27,7 +27,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("aiohttp
 
 from vllm_e2e_spec import MD_BLOCK, e2e_spec  # noqa: E402
 
-from kvbridge.cli.vllm_cluster import (  # noqa: E402
+from kvbridge.integrations.vllm.model import prepare_model  # noqa: E402
+from kvbridge_bench.cli.vllm_cluster import (  # noqa: E402
     Completion,
     VllmCluster,
     complete,
@@ -35,7 +36,6 @@ from kvbridge.cli.vllm_cluster import (  # noqa: E402
     metric_sum,
     post_json,
 )
-from kvbridge.integrations.vllm.model import prepare_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 

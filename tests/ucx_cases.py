@@ -9,6 +9,18 @@ import ucx_refpack as ref
 
 from kvbridge.layout import KVLayout
 
+# The pre-shared key of the test agents: UCX agents take only authenticated
+# peers by default.
+TEST_PSK = b"kvbridge ucx test key, 32 bytes."
+
+
+def agent(*args: Any, **kw: Any) -> Any:
+    """A real UcxAgent holding TEST_PSK (unless told otherwise)."""
+    from kvbridge.transport.ucx import UcxAgent
+
+    kw.setdefault("psk", TEST_PSK)
+    return UcxAgent(*args, **kw)
+
 
 def make_cache(layout: KVLayout, num_pages: int, seed: int | None) -> list[np.ndarray]:
     """Random (seed) or zero cache tensors, 16-bit elements viewed as uint16."""

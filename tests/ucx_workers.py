@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import ucx_refpack as ref
-from ucx_cases import make_cache
+from ucx_cases import TEST_PSK, make_cache
 
 from kvbridge.layout import KVLayout
 
@@ -49,6 +49,7 @@ async def _serve(
 
     loop = asyncio.get_running_loop()
     cache = make_cache(layout, pages, seed)
+    opts.setdefault("psk", TEST_PSK)
     agent = UcxAgent(
         layout,
         cache,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvbridge.cli.vllm_cluster import ClusterSpec
+from kvbridge_bench.cli.vllm_cluster import ClusterSpec
 
 # float32: vLLM's CPU kernels round differently for a one-token decode step and
 # a multi-token prefill; in bf16 that flips near-ties between equal
@@ -28,5 +28,5 @@ def e2e_spec(model_dir: str, workdir: Path) -> ClusterSpec:
         md_policy="recompute",
         rld_policy="fail",
         recv_timeout_s=15.0,
-        proxy_args=["--relay-token-cap", "16", "--pipeline", "p-md", "--await-tickets-s", "10"],
+        proxy_args=["--relay-token-budget", "16", "--pipeline", "p-md", "--await-tickets-s", "10"],
     )

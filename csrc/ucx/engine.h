@@ -66,6 +66,9 @@ struct Endpoint {
   ucs_status_t error = UCS_OK;  // set by the error callback
   bool peer_errors = true;      // UCP_ERR_HANDLING_MODE_PEER
   bool closing = false;
+  // The connection tag the peer issued to us: the sender field of every
+  // message we send it (the DONEs encoded here included).
+  std::string tag;
   // The put window: puts posted on this endpoint and not yet complete, and
   // the put batches with runs still to post, served round-robin.
   size_t puts_in_flight = 0;
@@ -78,7 +81,8 @@ struct Expectation {
   uint64_t token = 0;
   std::string rid;
   uint64_t start = 0, end = 0, l0 = 0, l1 = 0;
-  std::string sender;  // the peer it is bound to (16 bytes), or empty: any
+  std::string sender;  // the peer it is bound to (its agent id), or empty: any
+  uint64_t pages = 0;  // the pages digest a DONE must name (messages.h)
   std::vector<uint8_t> landed;
   uint64_t missing = 0;  // layers not landed yet
 };
@@ -219,14 +223,19 @@ class Engine {
   Posted send(uint64_t ep_id, const std::string& message, bool report);
 
   // ---- the receiving side's expectations ----
-  // DONE messages from a peer of agent id `sender` in add_peer(), for a
-  // registered request with the same tokens and layers inside its range,
-  // land here (queued as Landed for drain()); every other message goes to
-  // Python as it is.  `sender` empty: bound by the first part.
-  void add_peer(const std::string& agent_id);
-  void remove_peer(const std::string& agent_id);
+  // DONE messages under a connection tag in add_peer() (who sent it is the
+  // agent id that tag was issued to, never the message's word), for a
+  // registered request with the same tokens, layers inside its range and
+  // the expectation's pages digest, land here (queued as Landed for
+  // drain()); every other message goes to Python as it is.  `sender` (an
+  // agent id) empty: bound by the first part.
+  void add_peer(const std::string& tag, const std::string& agent_id);
+  void remove_peer(const std::string& tag);
+  // The tag to write as the sender of what goes out on `ep_id`.
+  void set_ep_tag(uint64_t ep_id, const std::string& tag);
+  std::string ep_tag(uint64_t ep_id) const;
   void expect(uint64_t token, const std::string& rid, uint64_t start, uint64_t end, uint64_t l0,
-              uint64_t l1, const std::string& sender);
+              uint64_t l1, const std::string& sender, uint64_t pages);
   void unexpect(uint64_t token);
   // A part Python applied itself (a part that came before the expect, a
   // staged part): mark layers [l0, l1) and bind the sender.  Returns the
@@ -293,7 +302,7 @@ class Engine {
   std::unordered_map<uint64_t, int> sync_done_;
   std::unordered_map<uint64_t, Expectation> expects_;
   std::unordered_map<std::string, uint64_t> expect_ids_;  // request id -> token
-  std::unordered_set<std::string> peers_;
+  std::unordered_map<std::string, std::string> peers_;  // connection tag -> agent id
 
   // thread mode
   std::thread thread_;

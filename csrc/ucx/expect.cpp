@@ -10,18 +10,31 @@
 
 namespace kvb::ucx {
 
-void Engine::add_peer(const std::string& agent_id) {
+void Engine::add_peer(const std::string& tag, const std::string& agent_id) {
   std::lock_guard<std::mutex> lock(mu_);
-  peers_.insert(agent_id);
+  peers_[tag] = agent_id;
 }
 
-void Engine::remove_peer(const std::string& agent_id) {
+void Engine::remove_peer(const std::string& tag) {
   std::lock_guard<std::mutex> lock(mu_);
-  peers_.erase(agent_id);
+  peers_.erase(tag);
+}
+
+void Engine::set_ep_tag(uint64_t ep_id, const std::string& tag) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (tag.size() != kAgentIdBytes) throw UcsError(UCS_ERR_INVALID_PARAM, "tag of 16 bytes");
+  endpoint(ep_id).tag = tag;
+}
+
+std::string Engine::ep_tag(uint64_t ep_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = eps_.find(ep_id);
+  if (it == eps_.end()) throw UcsError(UCS_ERR_INVALID_PARAM, "unknown or closed endpoint");
+  return it->second->tag;
 }
 
 void Engine::expect(uint64_t token, const std::string& rid, uint64_t start, uint64_t end,
-                    uint64_t l0, uint64_t l1, const std::string& sender) {
+                    uint64_t l0, uint64_t l1, const std::string& sender, uint64_t pages) {
   std::lock_guard<std::mutex> lock(mu_);
   if (l1 < l0 || end < start) throw UcsError(UCS_ERR_INVALID_PARAM, "bad expected range");
   if (expects_.count(token) || expect_ids_.count(rid))
@@ -34,6 +47,7 @@ void Engine::expect(uint64_t token, const std::string& rid, uint64_t start, uint
   e.l0 = l0;
   e.l1 = l1;
   e.sender = sender;
+  e.pages = pages;
   e.landed.assign(l1 - l0, 0);
   e.missing = l1 - l0;
   expect_ids_.emplace(rid, token);
@@ -93,12 +107,17 @@ bool Engine::apply_done(const void* data, size_t length) {
   if (id == expect_ids_.end()) return false;
   Expectation& e = expects_.at(id->second);
   // Python decides everything that is not a plain part of an expected
-  // request: another peer's part, other tokens or layers (refused there).
-  if (!peers_.count(std::string(d.sender))) return false;
-  if (!e.sender.empty() && e.sender != d.sender) return false;
-  if (d.start != e.start || d.end != e.end || d.l0 < e.l0 || d.l1 > e.l1 || d.l1 < d.l0)
+  // request: an unknown tag (dropped there), another peer's part, other
+  // tokens, layers or pages (refused there).  The sender is the agent the
+  // tag was issued to, never what the message says.
+  auto peer = peers_.find(std::string(d.sender));
+  if (peer == peers_.end()) return false;
+  const std::string& from = peer->second;
+  if (!e.sender.empty() && e.sender != from) return false;
+  if (d.start != e.start || d.end != e.end || d.l0 < e.l0 || d.l1 > e.l1 || d.l1 < d.l0 ||
+      d.pages != e.pages)
     return false;
-  if (e.sender.empty()) e.sender = std::string(d.sender);
+  if (e.sender.empty()) e.sender = from;
   mark_layers(e, d.l0, d.l1);
   landed_.push_back(
       {e.token, d.l0, d.l1, d.nbytes, e.sender, e.landed.size() - e.missing, e.missing == 0});

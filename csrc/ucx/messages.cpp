@@ -3,6 +3,9 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <vector>
+
+#include "xxh3.h"
 
 namespace kvb::ucx {
 
@@ -27,7 +30,7 @@ constexpr size_t kOffRidLen = 100, kOffTextLen = 102, kOffBlobLen = 104;
 }  // namespace
 
 std::string encode_done(std::string_view sender, std::string_view rid, uint64_t start, uint64_t end,
-                        uint64_t l0, uint64_t l1, uint64_t nbytes) {
+                        uint64_t l0, uint64_t l1, uint64_t nbytes, uint64_t pages) {
   if (sender.size() != kAgentIdBytes) throw std::invalid_argument("agent id must be 16 bytes");
   if (rid.size() > kMaxRequestId) throw std::invalid_argument("request id longer than 1024 bytes");
   std::string out(kMessageHead + rid.size(), '\0');
@@ -36,8 +39,9 @@ std::string encode_done(std::string_view sender, std::string_view rid, uint64_t 
   p[kOffVersion] = static_cast<char>(kMessageVersion);
   p[kOffKind] = static_cast<char>(kKindDone);
   std::memcpy(p + kOffSender, sender.data(), kAgentIdBytes);
-  const uint64_t fields[5] = {start, end, l0, l1, nbytes};  // part .. code stay 0
-  for (size_t i = 0; i < 5; ++i) put_le<uint64_t>(p + kOffFields + 8 * i, fields[i]);
+  // start, end, l0, l1, nbytes, part (0), offset (the pages digest); the rest stay 0
+  const uint64_t fields[7] = {start, end, l0, l1, nbytes, 0, pages};
+  for (size_t i = 0; i < 7; ++i) put_le<uint64_t>(p + kOffFields + 8 * i, fields[i]);
   put_le<uint16_t>(p + kOffRidLen, static_cast<uint16_t>(rid.size()));
   std::memcpy(p + kMessageHead, rid.data(), rid.size());
   return out;
@@ -62,7 +66,23 @@ bool parse_done(const void* data, size_t length, Done* out) {
   out->l0 = get_le<uint64_t>(p + kOffFields + 16);
   out->l1 = get_le<uint64_t>(p + kOffFields + 24);
   out->nbytes = get_le<uint64_t>(p + kOffFields + 32);
+  out->pages = get_le<uint64_t>(p + kOffFields + 48);
   return true;
+}
+
+uint64_t pages_digest(const int64_t* bt, size_t n, uint64_t start, uint64_t end,
+                      uint64_t page_tokens) {
+  if (page_tokens == 0) throw std::invalid_argument("page_tokens must be positive");
+  const uint64_t first = start / page_tokens;
+  const uint64_t last = end > start ? (end + page_tokens - 1) / page_tokens : first;
+  if (last > n) throw std::out_of_range("block table too short for the token range");
+  std::vector<char> buf(16 + 8 * (last - first));
+  char* p = buf.data();
+  put_le<uint64_t>(p, start);
+  put_le<uint64_t>(p + 8, end);
+  for (uint64_t i = first; i < last; ++i)
+    put_le<uint64_t>(p + 16 + 8 * (i - first), static_cast<uint64_t>(bt[i]));
+  return kvb::xxh3_64(buf.data(), buf.size());
 }
 
 }  // namespace kvb::ucx

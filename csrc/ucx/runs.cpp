@@ -1,6 +1,8 @@
 // Page pieces in memory order, merged where contiguous at both ends.
 #include "runs.h"
 
+#include "messages.h"
+
 #include <string>
 
 namespace kvb::ucx {
@@ -101,6 +103,7 @@ PreparedPut RunPlan::prepare(const int64_t* src_bt, size_t src_n, const int64_t*
   p.end = static_cast<uint64_t>(end);
   p.l0 = static_cast<uint64_t>(l0);
   p.l1 = static_cast<uint64_t>(l1);
+  p.pages = pages_digest(dst_bt, dst_n, p.start, p.end, static_cast<uint64_t>(pt_));
   return p;
 }
 

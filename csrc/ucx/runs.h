@@ -31,6 +31,7 @@ struct PreparedPut {
   std::vector<PutRun> runs;
   uint64_t start = 0, end = 0, l0 = 0, l1 = 0;
   uint64_t nbytes = 0;
+  uint64_t pages = 0;  // the DONE's pages digest (of the destination block table)
 };
 
 class RunPlan {
@@ -50,6 +51,8 @@ class RunPlan {
   // Throws RangeError.
   PreparedPut prepare(const int64_t* src_bt, size_t src_n, const int64_t* dst_bt, size_t dst_n,
                       int64_t start, int64_t end, int64_t l0, int64_t l1) const;
+
+  int64_t page_tokens() const { return pt_; }
 
  private:
   int64_t pt_, comps_, heads_, head_bytes_;

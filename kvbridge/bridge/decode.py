@@ -102,7 +102,14 @@ class DecodeBridge:
                 description=self.description,
             )
         self._want_ucx = ucx
-        self._ucx_options = ucx_options or {}
+        # UCX peers prove the same key as TCP's; without one, the bridge takes
+        # unauthenticated peers on both transports alike
+        self._ucx_options = {
+            "identity": identity,
+            "psk": psk,
+            "allow_unauthenticated": psk is None,
+            **(ucx_options or {}),
+        }
         self._ucx: Any = None
 
     async def start(self) -> DecodeBridge:

@@ -131,7 +131,9 @@ class PrefillBridge:
             if theirs is not None:
                 check_peer(name, theirs, self.description)
             agent = self._ensure_ucx()
-            self._ucx_peers[name] = await agent.connect(blob, timeout=peer.connect_timeout)
+            self._ucx_peers[name] = await agent.connect(
+                blob, timeout=peer.connect_timeout, psk=peer.psk
+            )
         else:
             raise InvalidArgument(f"unknown transport {peer.transport!r} (use 'tcp' or 'ucx')")
 
@@ -141,7 +143,8 @@ class PrefillBridge:
 
             if not _ucx.available():
                 raise Unavailable(f"UCX transport requested: {_ucx.unavailable_reason()}")
-            self._ucx = _ucx.UcxAgent(self.layout, self.cache, **self._ucx_options)
+            opts = {"identity": self.identity, **self._ucx_options}
+            self._ucx = _ucx.UcxAgent(self.layout, self.cache, **opts)
             self._ucx.start()
         return self._ucx
 
@@ -208,7 +211,7 @@ class PrefillBridge:
                 f"{name}: ticket is for {t.transport.name} but the destination uses {want.name}"
             )
         peer = self._ucx_peers.get(name)
-        if peer is not None and peer.metadata.agent_id != t.agent_id:
+        if peer is not None and peer.agent_id != t.agent_id:
             raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
         self.send_heads(name, t)
         return t

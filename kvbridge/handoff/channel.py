@@ -3,7 +3,7 @@
 A channel moves opaque payloads tagged with their CONTROL frame type between
 named nodes.  :class:`RoutedChannel` carries them over kvbridge's TCP
 connections as CONTROL frames (what engines and the demo use);
-:mod:`kvbridge.sim.network` is an in-memory one with an emulated link, for
+:mod:`kvbridge_bench.sim.network` is an in-memory one with an emulated link, for
 tests and benchmarks on one machine.
 """
 

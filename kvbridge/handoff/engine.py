@@ -5,7 +5,7 @@ The handoff needs only token-level operations.  The KV cache is the only
 state of a request besides its token list, so a request whose prompt KV was
 written into the engine's pages by the transport (``append_cached`` then the
 pack core, or ``write_kv``) continues exactly like one the engine prefilled
-itself.  :class:`kvbridge.reference.decoder.ReferenceDecoder` is the reference
+itself.  :class:`kvbridge_bench.reference.decoder.ReferenceDecoder` is the reference
 implementation; docs/engine-contract.md describes the contract in prose.
 
 Sampling is not an engine method: :func:`kvbridge.handoff.sampling.sample`

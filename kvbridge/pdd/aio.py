@@ -181,7 +181,7 @@ async def run_relay(
         while not side.done:
             while not inbox.empty():
                 await handle(inbox.get_nowait())
-            await send(core.handle(Tick(loop.time(), rid)))
+            await send(core.handle(Tick(loop.time(), rid, Role.RELAY)))
             if side.want_decode:
                 if fed < len(side.tokens):
                     await compute.feed(rid, side.tokens[fed:], side.next_index)
@@ -268,7 +268,7 @@ async def run_main(
         while not side.done:
             while not inbox.empty():
                 await send(core.handle(PeerMessage(rid, inbox.get_nowait(), loop.time())))  # type: ignore[arg-type]
-            await send(core.handle(Tick(loop.time(), rid)))
+            await send(core.handle(Tick(loop.time(), rid, Role.MAIN)))
             if side.done:
                 break
             ext, send.extend = send.extend, None

@@ -251,10 +251,12 @@ class PddCore:
                 out: list[Command] = []
                 reqs = self._reqs.values() if ev.rid is None else [self._req(ev.rid)]
                 for r in list(reqs):
-                    if r.relay is not None and not r.relay.done:
+                    relay_ok = ev.role in (None, Role.RELAY)
+                    main_ok = ev.role in (None, Role.MAIN)
+                    if relay_ok and r.relay is not None and not r.relay.done:
                         self._set_load(r)
                         out += self._relay_out(r, r.relay.poll(ev.now))
-                    if r.main is not None and not r.main.done:
+                    if main_ok and r.main is not None and not r.main.done:
                         out += self._main_out(r, r.main.poll(ev.now))
                 return out
             case ClientOpen():

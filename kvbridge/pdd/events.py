@@ -189,10 +189,11 @@ class PeerLost:
 @dataclass(frozen=True)
 class Tick:
     """Time passed: fire the deadlines that are due (of request ``rid``
-    only, when given)."""
+    only, and of its ``role``'s side only, when given)."""
 
     now: float
     rid: int | None = None
+    role: Role | None = None
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,19 @@ def _cpu_isa(tensors: list[Any]) -> str | None:
 
 
 def describe_vllm_cache(
-    tensors: list[Any], block_size: int, kv_cache_config: Any = None, *, name: str = ""
+    tensors: list[Any],
+    block_size: int,
+    kv_cache_config: Any = None,
+    *,
+    name: str = "",
+    head_start: int = 0,
+    model_kv_heads: int | None = None,
 ) -> tuple[PagedKVCache, int]:
     """The cache over ``tensors`` (in layer order) and the number of kernel
     blocks per vLLM block that the caller must still map (always 1: the
-    cache maps vLLM's block tables itself)."""
+    cache maps vLLM's block tables itself).  ``head_start`` /
+    ``model_kv_heads``: a tensor-parallel rank's place among the model's KV
+    heads (vLLM splits them as :func:`kvbridge.layout.tp_head_range`)."""
     from_vllm = getattr(PagedKVCache, "from_vllm", None)
     if from_vllm is None:
         raise Unavailable(
@@ -54,8 +62,16 @@ def describe_vllm_cache(
         )
     split = _kv_split()
     isa = _cpu_isa(tensors) if split == "cpu" else None
+    heads = int(tensors[0].shape[1])
+    whole = head_start == 0 and (model_kv_heads is None or model_kv_heads == heads)
     cache: PagedKVCache = from_vllm(
-        tensors, kv_split=split, block_tokens=int(block_size), name=name, cpu_isa=isa
+        tensors,
+        kv_split=split,
+        block_tokens=int(block_size),
+        name=name,
+        cpu_isa=isa,
+        head_start=head_start,
+        model_kv_heads=None if whole else model_kv_heads,
     )
     return cache, 1
 

@@ -8,7 +8,8 @@ Every key is optional (docs/vllm.md lists them with their defaults)::
      "listen": "0.0.0.0:7400",              # decode: the kvbridge TCP listener
      "ucx": false,                          # decode: also accept UCX one-sided puts
      "peers": {"md":  "10.0.0.2:7400",      # prefill: the decodes, by identity
-               "rld": {"addr": "127.0.0.1:7401", "transport": "ucx"}},
+               "rld": {"addr": "127.0.0.1:7401", "transport": "ucx"},
+               "md2": {"addr": "10.0.0.3:7400", "tp": 2}},  # rank r on port + r
      "psk": "hex", "streams": 4,
      "recv_timeout_s": 60, "ticket_timeout_s": 30, "send_timeout_s": 60,
      "lease_s": 30, "connect_timeout_s": 10, "reconnect_timeout_s": 5,
@@ -26,7 +27,7 @@ from typing import Any
 
 from ...errors import InvalidArgument
 
-__all__ = ["ConnectorConfig", "PeerSpec", "parse_addr"]
+__all__ = ["ConnectorConfig", "PeerSpec", "parse_addr", "rank_identity"]
 
 
 def parse_addr(value: Any, what: str) -> tuple[str, int]:
@@ -56,10 +57,28 @@ class PeerSpec:
     host: str
     port: int
     transport: str = "tcp"
+    tp: int = 1  # the decode's tensor-parallel ranks: rank r listens on port + r
+    rank_ports: tuple[int, ...] = ()  # or each rank's port, given
 
     @property
     def ucx_name(self) -> str:
         return f"{self.name}/ucx"
+
+    def rank_name(self, rank: int) -> str:
+        """The kvbridge identity of the decode's rank ``rank``."""
+        return rank_identity(self.name, rank, self.tp)
+
+    def rank_addr(self, rank: int) -> tuple[str, int]:
+        if self.rank_ports:
+            return self.host, self.rank_ports[rank]
+        return self.host, self.port + rank if self.port else 0
+
+
+def rank_identity(identity: str, rank: int, size: int) -> str:
+    """The kvbridge identity of tensor-parallel rank ``rank`` of ``size`` of the
+    engine ``identity``: the engine's own with one rank, ``<identity>.tp<rank>``
+    with several (every rank has a bridge, a listener and tickets of its own)."""
+    return identity if size == 1 else f"{identity}.tp{rank}"
 
 
 def _seconds(d: dict[str, Any], key: str, default: float) -> float:
@@ -88,13 +107,30 @@ class ConnectorConfig:
     metrics_addr: tuple[str, int] | None = None
     idle_wait_s: float = 0.002
     huge_pages: bool = True
+    # this worker's tensor-parallel rank (set by the connector from vLLM's
+    # parallel config, not a kv_connector_extra_config key)
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def rank_identity(self) -> str:
+        """This rank's kvbridge identity (the engine's own with one rank)."""
+        return rank_identity(self.identity, self.tp_rank, self.tp_size)
+
+    @property
+    def rank_listen(self) -> tuple[str, int] | None:
+        """This rank's listener: port + rank (port 0: any free port)."""
+        if self.listen is None:
+            return None
+        host, port = self.listen
+        return host, port + self.tp_rank if port else 0
 
     @classmethod
     def from_extra(
         cls, extra: dict[str, Any] | None, *, engine_id: str, model: str
     ) -> ConnectorConfig:
         d = dict(extra or {})
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f for f in cls.__dataclass_fields__} - {"tp_rank", "tp_size"}
         unknown = set(d) - known
         if unknown:
             raise InvalidArgument(f"kv_connector_extra_config: unknown keys {sorted(unknown)}")
@@ -109,13 +145,19 @@ class ConnectorConfig:
             raise InvalidArgument("kv_connector_extra_config['peers'] must map names to addresses")
         for name, spec in raw.items():
             transport = "tcp"
+            tp = 1
             if isinstance(spec, dict):
                 transport = str(spec.get("transport", "tcp"))
+                tp = spec.get("tp", 1)
                 spec = spec.get("addr")
             if transport not in ("tcp", "ucx"):
                 raise InvalidArgument(f"peer {name!r}: transport must be 'tcp' or 'ucx'")
+            if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
+                raise InvalidArgument(f"peer {name!r}: tp must be an int in [1, 64], got {tp!r}")
             host, port = parse_addr(spec, f"peer {name!r}")
-            peers.append(PeerSpec(str(name), host, port, transport))
+            if tp > 1 and not port:
+                raise InvalidArgument(f"peer {name!r}: a decode with tp > 1 needs a fixed port")
+            peers.append(PeerSpec(str(name), host, port, transport, tp))
         psk = d.get("psk")
         try:
             key = bytes.fromhex(psk) if psk else None

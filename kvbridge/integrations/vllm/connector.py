@@ -16,6 +16,7 @@ design and the operator's commands.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,8 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...bridge.sync import SyncBridge
+from ...errors import InvalidArgument
+from ...layout import tp_head_range
 from .cache import ask_huge_pages, describe_vllm_cache
 from .config import ConnectorConfig
 from .plan import StepPlan, WorkerReport
@@ -106,30 +109,67 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tc = self._kv_transfer_config
         self._producer = bool(tc.is_kv_producer)
         self._consumer = bool(tc.is_kv_consumer)
-        self.cfg = ConnectorConfig.from_extra(
+        par = vllm_config.parallel_config
+        if int(getattr(par, "pipeline_parallel_size", 1)) != 1:
+            raise InvalidArgument(
+                "KVBridgeConnector moves KV between tensor-parallel ranks; "
+                "pipeline parallelism is not supported (pipeline_parallel_size must be 1)"
+            )
+        tp_size = int(getattr(par, "tensor_parallel_size", 1))
+        cfg = ConnectorConfig.from_extra(
             tc.kv_connector_extra_config,
             engine_id=str(tc.engine_id),
             model=str(vllm_config.model_config.model),
         )
+        tp_rank = 0
+        if role != KVConnectorRole.SCHEDULER and tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = int(get_tensor_model_parallel_rank())
+        self.cfg = dataclasses.replace(cfg, tp_rank=tp_rank, tp_size=tp_size)
+        self._kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
         self._block_size = int(vllm_config.cache_config.block_size)
         self._sched: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = ConnectorScheduler(
-                self.cfg.identity, producer=self._producer, consumer=self._consumer
+                self.cfg.identity,
+                producer=self._producer,
+                consumer=self._consumer,
+                tp_size=tp_size,
             )
         else:
             self._worker = ConnectorWorker(
                 self.cfg, producer=self._producer, consumer=self._consumer, make_bridge=SyncBridge
             )
         logger.info(
-            "kvbridge connector %s (%s, %s)", self.cfg.identity, tc.kv_role, role.name.lower()
+            "kvbridge connector %s (%s, %s, tensor-parallel rank %d of %d)",
+            self.cfg.rank_identity,
+            tc.kv_role,
+            role.name.lower(),
+            tp_rank,
+            tp_size,
         )
 
     # ---- class methods -------------------------------------------------------------
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return None  # kvbridge describes whatever layout the backend chose
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM (0.33 and later) refuses sleep mode with this connector.
+        Sleep mode remaps the KV cache memory, and kvbridge's registrations
+        (the pack core's cache handles, UCX memory regions, leases on pages)
+        would point at memory that is gone; docs/vllm.md says why this is the
+        choice and not ``unregister_kv_caches`` / ``restore_kv_caches``."""
+        return False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A prefill hands KV off: vLLM recomputes a request preempted while
+        its hand-off is pending rather than finishing it (vLLM's default)."""
+        return self._producer
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -197,18 +237,29 @@ class KVBridgeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         names = sorted(kv_caches, key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
-        cache, ratio = describe_vllm_cache(tensors, self._block_size, self._kv_cache_config)
+        first, _n = tp_head_range(self._kv_heads, self.cfg.tp_size, self.cfg.tp_rank)
+        cache, ratio = describe_vllm_cache(
+            tensors,
+            self._block_size,
+            self._kv_cache_config,
+            head_start=first,
+            model_kv_heads=self._kv_heads,
+        )
         pages = ask_huge_pages(cache) if self.cfg.huge_pages and not cache.is_cuda else ""
+        if cache.is_cuda:
+            from .order import CudaEvents
+
+            self._worker.use_events(CudaEvents(tensors[0].device))
         self._worker.register(cache, names, ratio)
         logger.info(
             "kvbridge %s: %s, %d layers, %d kernel blocks per vLLM block%s%s",
-            self.cfg.identity,
+            self.cfg.rank_identity,
             cache.layout.describe(),
             len(names),
             ratio,
             pages,
-            f", listening on {self.cfg.listen[0]}:{self._worker.tcp_port}"
-            if self.cfg.listen and self._consumer
+            f", listening on {self.cfg.rank_listen[0]}:{self._worker.tcp_port}"
+            if self.cfg.rank_listen and self._consumer
             else "",
         )
 

@@ -19,6 +19,9 @@ A request for a **decode** (``kv_role`` consumer)::
     {"do_remote_prefill": true,
      "transfer_id": "9f3c...",          # the same id the prefill was given
      "prefill": "prefill-0",            # the prefill's kvbridge identity
+     "prefill_tp": 2,                   # optional: its tensor-parallel ranks (default 1);
+                                        # each decode rank sends a ticket to every prefill
+                                        # rank that holds some of its KV heads
      "pin_s": 30.0}                     # optional: hold the blocks after the request
 
 A decode request that takes over a pinned transfer (the PDD handoff)::
@@ -57,6 +60,7 @@ __all__ = [
 _ID = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 MAX_PIN_S = 600.0
 MAX_AWAIT_S = 60.0
+MAX_TP = 64
 
 
 def _seconds(d: dict[str, Any], key: str, top: float) -> float:
@@ -93,6 +97,7 @@ class DecodeParams:
     transfer_id: str
     prefill: str
     pin_s: float = 0.0
+    prefill_tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -131,21 +136,31 @@ def parse_params(params: Any) -> Params | None:
     if pre:
         tid = _ident(params, "transfer_id")
         prefill = _ident(params, "prefill")
-        return DecodeParams(tid, prefill, _seconds(params, "pin_s", MAX_PIN_S))
+        tp = params.get("prefill_tp", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_TP:
+            raise InvalidArgument(
+                f"kv_transfer_params['prefill_tp'] must be an int in [1, {MAX_TP}], got {tp!r}"
+            )
+        return DecodeParams(tid, prefill, _seconds(params, "pin_s", MAX_PIN_S), tp)
     if "unpin" in params:
         return UnpinParams(_ident(params, "unpin"))
     return None
 
 
-def prefill_output(p: PrefillParams, prefill: str, num_tokens: int) -> dict[str, Any]:
+def prefill_output(
+    p: PrefillParams, prefill: str, num_tokens: int, prefill_tp: int = 1
+) -> dict[str, Any]:
     """The prefill's output params: a decode request's params, ready to pass on."""
-    return {
+    out: dict[str, Any] = {
         "do_remote_prefill": True,
         "transfer_id": p.transfer_id,
         "prefill": prefill,
         "num_tokens": num_tokens,
         "destinations": list(p.destinations),
     }
+    if prefill_tp > 1:
+        out["prefill_tp"] = prefill_tp
+    return out
 
 
 def decode_output(p: DecodeParams, kv: dict[str, Any], *, pinned: bool) -> dict[str, Any]:

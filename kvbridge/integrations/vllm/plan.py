@@ -44,6 +44,7 @@ class RecvPlan:
     block_ids: list[int]
     start: int
     end: int
+    prefill_tp: int = 1  # the prefill's tensor-parallel ranks
 
 
 @dataclass
@@ -55,10 +56,18 @@ class StepPlan:
     cancel_recvs: list[str] = field(default_factory=list)
     # decode: pinned requests whose blocks may now be freed
     release: list[str] = field(default_factory=list)
+    # prefill: requests vLLM preempted (their blocks are freed): cancel their
+    # sends, and wait until nothing reads the blocks, before this step's forward
+    preempted: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (
-            self.sends or self.finished_sends or self.recvs or self.cancel_recvs or self.release
+            self.sends
+            or self.finished_sends
+            or self.recvs
+            or self.cancel_recvs
+            or self.release
+            or self.preempted
         )
 
 

@@ -14,11 +14,17 @@ decode.  Per request it asks kvbridge's router for a pipeline:
 - **P-RLD-MD**: the relay decode streams the first tokens at once (its KV
   comes over UCX in the same datacenter); the main decode meanwhile loads
   the prompt's KV into its prefix cache with a one-token request that pins
-  the blocks.  When that load is done, the proxy stops the relay, and sends
-  the main decode the prompt plus the relay's token IDs with ``unpin``: its
-  prompt blocks hit the pinned cache, so vLLM computes only the relay's
-  tokens (and the prompt's partial last block) in one extend step and
-  continues the stream.  The client sees one stream, every token once.
+  the blocks.  The PDD core (:mod:`kvbridge.pdd`) decides the rest, as it
+  does for the reference demo: the relay's dynamic token budget (the proxy
+  cancels the relay's request when the core stops it), and the handoff
+  once the load is done: one-shot (the main decode gets the prompt plus
+  every relay token ID and continues the stream) or catch-up (while the
+  relay keeps decoding, the main decode extends batches of the relay's
+  token IDs, each a one-token request whose prompt blocks hit the pinned
+  KV, so vLLM computes only the new tokens; when the gap is small the
+  relay's request is cancelled and the main decode continues from there,
+  with ``unpin``).  The core's exactly-once merge makes the client's one
+  stream, every token once.
 
 Backends are always called through ``/v1/completions`` with token-ID
 prompts (a chat request is rendered to token IDs by the prefill's
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import sys
@@ -48,8 +55,29 @@ import aiohttp
 from aiohttp import web
 
 from ...errors import InvalidArgument
+from ...handoff import HandoffPolicy, HandoffTimeouts, Mode
 from ...layout import DType, KVLayout
+from ...pdd import (
+    Arrive,
+    Finish,
+    KVSent,
+    PddConfig,
+    PddCore,
+    RelayBudget,
+    Route,
+)
 from ...router import BandwidthEstimator, Pipeline, Router, RouterConfig
+from .handoff import (
+    Action,
+    Continue,
+    Done,
+    Extend,
+    HttpHandoff,
+    MainAlone,
+    RestartRelay,
+    Show,
+    StopRelay,
+)
 from .prefix_estimate import PrefixEstimate
 
 __all__ = ["Backend", "DisaggProxy", "ProxyConfig", "main"]
@@ -113,7 +141,13 @@ class ProxyConfig:
     md_block_tokens: int = 64  # the main decode's vLLM block size (prefix estimate)
     ttft_target_s: float = 1.0
     wan_bps: float = 1.25e8  # prior WAN goodput, bytes/s
-    relay_token_cap: int = 64  # at most this many tokens from the relay
+    relay_token_budget: int = 64  # the relay's cap at low load (the dynamic budget is below)
+    relay_min_budget: int = 8  # ... shrinking to this at full load
+    relay_capacity: int = 8  # relayed requests in flight at which the relay's load is 1
+    relay_step_s: float = 0.05  # seconds per relay token before one is measured
+    handoff_threshold: int = 16  # a gap above it: catch-up rounds (below the busy load)
+    handoff_mode: str = "auto"  # auto (by the relay's load), one-shot, catch-up
+    handoff_timeout_s: float = 10.0  # an extend's ACK; relay silence before the main takes over
     pin_s: float = 30.0  # how long the main decode holds a relayed prompt's blocks
     await_tickets_s: float = 2.0  # the prefill waits this long for tickets before prefill
     timeout_s: float = 120.0  # every backend call ends within this
@@ -134,8 +168,15 @@ class RequestRecord:
     ttft_s: float | None = None
     total_s: float | None = None
     handoff_s: float | None = None  # relay cut off -> first main-decode token
+    mode: str | None = None  # one_shot or catch_up
+    rounds: int = 0  # catch-up rounds before the commit
+    extends: int = 0  # extend requests the main decode served before it continued
+    switch_at: int | None = None  # the first position the main decode streamed
+    switch_gap_s: float | None = None  # the longest pause between tokens around the switch
+    budget: int | None = None  # the relay's budget when it stopped
     main_load: dict[str, Any] = field(default_factory=dict)  # the main decode's "kv" report
     error: str | None = None
+    user: str | None = None  # the client's "user" field
 
 
 @dataclass
@@ -149,6 +190,7 @@ class _Gen:
     include_usage: bool
     return_token_ids: bool
     pipeline: str | None = None  # the request's "kvbridge_pipeline": overrides the router
+    user: str | None = None  # the client's "user" field, kept in the request's record
 
 
 @dataclass
@@ -189,9 +231,33 @@ class DisaggProxy:
             RouterConfig(ttft_target_s=cfg.ttft_target_s),
             BandwidthEstimator(prior_bps=cfg.wan_bps),
         )
+        if cfg.handoff_mode not in ("auto", "one-shot", "catch-up"):
+            raise InvalidArgument(
+                f"handoff_mode must be auto, one-shot or catch-up: {cfg.handoff_mode!r}"
+            )
+        force = {"one-shot": Mode.ONE_SHOT, "catch-up": Mode.CATCH_UP}.get(cfg.handoff_mode)
+        t = cfg.handoff_timeout_s
+        # every decision of the pipeline (route, budget, handoff, merge): kvbridge.pdd
+        self.core = PddCore(
+            PddConfig(
+                handoff=HandoffPolicy(threshold=cfg.handoff_threshold, force=force),
+                budget=RelayBudget(
+                    token_budget=cfg.relay_token_budget, min_budget=cfg.relay_min_budget
+                ),
+                timeouts=HandoffTimeouts(
+                    ack_timeout=t, max_retries=2, capped_wait=3 * t, relay_timeout=3.5 * t
+                ),
+                relay_capacity=cfg.relay_capacity,
+                step_prior_s=cfg.relay_step_s,
+                allow_p_rld=False,  # the router may only choose what ends at the main decode
+                gap_timeout=cfg.timeout_s,
+                idle_timeout=cfg.timeout_s,
+            ),
+            self.router,
+        )
+        self._rids = itertools.count(1)
         self.estimate = PrefixEstimate(cfg.md_block_tokens)
         self.records: list[RequestRecord] = []
-        self._inflight_md_bytes = 0
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self.app = web.Application()
@@ -311,6 +377,7 @@ class DisaggProxy:
             include_usage=bool(opts.get("include_usage")),
             return_token_ids=bool(body.get("return_token_ids")),
             pipeline=pipeline,
+            user=body["user"] if isinstance(body.get("user"), str) else None,
         )
 
     # ---- backend calls -------------------------------------------------------------
@@ -367,23 +434,22 @@ class DisaggProxy:
         return str(data["prompt"])
 
     # ---- pipelines -----------------------------------------------------------------
-    def _route(self, g: _Gen, tid: str) -> tuple[Pipeline, str, int]:
-        n = len(g.prompt_ids)
+    def _route(self, g: _Gen, rid: int) -> tuple[Pipeline, str, int]:
+        """The PDD core's route (its router, the WAN's queue of this proxy)."""
         matched = self.estimate.matched(g.prompt_ids) if self.cfg.use_prefix_estimate else 0
         chosen = g.pipeline if g.pipeline not in (None, "auto") else self.cfg.pipeline
+        fixed = None
         if chosen == "p-md" or self.cfg.relay is None:
-            self.router.counts[Pipeline.P_MD] += 1
-            return Pipeline.P_MD, "fixed pipeline", matched
-        if chosen == "p-rld-md":
-            self.router.counts[Pipeline.P_RLD_MD] += 1
-            return Pipeline.P_RLD_MD, "fixed pipeline", matched
-        d = self.router.decide(tid, n, matched, g.max_tokens, queued_bytes=self._inflight_md_bytes)
-        # the router may only choose what ends at the main decode here
-        if d.pipeline is Pipeline.P_RLD:
-            return Pipeline.P_RLD_MD, d.reason.value, matched
-        return d.pipeline, d.reason.value, matched
+            fixed = Pipeline.P_MD
+        elif chosen == "p-rld-md":
+            fixed = Pipeline.P_RLD_MD
+        (rt,) = self.core.handle(
+            Arrive(rid, len(g.prompt_ids), matched, g.max_tokens, time.monotonic(), pipeline=fixed)
+        )
+        assert isinstance(rt, Route)
+        return rt.pipeline, rt.reason, matched
 
-    async def _p_md(self, g: _Gen, tid: str, rec: RequestRecord) -> AsyncIterator[_Piece]:
+    async def _p_md(self, g: _Gen, tid: str, rec: RequestRecord, rid: int) -> AsyncIterator[_Piece]:
         body = self._body(
             g,
             g.prompt_ids,
@@ -405,7 +471,8 @@ class DisaggProxy:
                         rec.prompt_tokens - rec.matched_estimate
                     ) * self.router.layout.bytes_per_token
                     if missing >= self.router.bandwidth.min_bytes:
-                        self.router.observe_transfer(missing, time.perf_counter() - t0)
+                        dt = time.perf_counter() - t0
+                        self.core.handle(KVSent(rid, "md", missing, dt, time.monotonic()))
                 yield piece
         finally:
             self._spawn(self._settle(pre, rec))
@@ -429,106 +496,170 @@ class DisaggProxy:
             task.cancel()
             rec.error = rec.error or f"prefill: {type(e).__name__}: {e}"
 
-    async def _p_rld_md(self, g: _Gen, tid: str, rec: RequestRecord) -> AsyncIterator[_Piece]:
+    async def _p_rld_md(
+        self, g: _Gen, tid: str, rec: RequestRecord, rid: int
+    ) -> AsyncIterator[_Piece]:
+        """P-RLD-MD over HTTP: what the backends say becomes the PDD core's
+        events (:class:`~kvbridge.integrations.vllm.handoff.HttpHandoff`),
+        its decisions become backend calls and the client's pieces."""
         cfg = self.cfg
         assert cfg.relay is not None
         decode_kv = {"do_remote_prefill": True, "transfer_id": tid, "prefill": cfg.prefill.name}
         load_body = self._body(
             g, g.prompt_ids, 1, stream=False, kv_transfer_params={**decode_kv, "pin_s": cfg.pin_s}
         )
-        # the relay only masks latency: it never finishes the request (P-RLD is excluded)
-        relay_cap = max(1, min(cfg.relay_token_cap, g.max_tokens - 1))
-        relay_body = self._body(g, g.prompt_ids, relay_cap, kv_transfer_params=decode_kv)
+        inbox: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        tasks: dict[str, asyncio.Future[Any]] = {}
+        h = HttpHandoff(self.core, rid, len(g.prompt_ids), g.max_tokens)
 
-        async def load_main() -> dict[str, Any]:
-            async with self.session.post(f"{cfg.main.url}/v1/completions", json=load_body) as r:
-                data = await r.json()
-                if r.status != 200:
-                    raise ProxyError(502, f"main decode load: HTTP {r.status}: {data}")
-                return dict(data.get("kv_transfer_params") or {})
-
-        md_load = asyncio.ensure_future(load_main())
-        pre = asyncio.ensure_future(self._prefill(g, tid, [cfg.relay.name, cfg.main.name]))
-        relay_ids: list[int] = []
-        relay_text = ""
-        finished: str | None = None
-        cut_at: float | None = None
-        try:
-            relay = self._stream(cfg.relay, relay_body, "relay")
-            nxt: asyncio.Future[Any] | None = asyncio.ensure_future(relay.__anext__())
+        async def load_main() -> None:
             try:
-                while nxt is not None:
-                    waits: set[asyncio.Future[Any]] = {nxt, md_load}
-                    done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    if nxt in done:
-                        try:
-                            piece = nxt.result()
-                        except StopAsyncIteration:
-                            nxt = None
-                            break
-                        except (ProxyError, aiohttp.ClientError, TimeoutError) as e:
-                            # the relay failed (its load, say): the main decode
-                            # takes over from the tokens already streamed
-                            log.warning("transfer %s: relay failed: %s", tid, e)
-                            rec.error = f"relay: {e}"
-                            nxt = None
-                            break
-                        relay_ids += piece.token_ids
-                        relay_text += piece.text
-                        if piece.finish_reason == "stop":
-                            finished = "stop"  # EOS or a stop string: nothing left to hand over
-                        yield _Piece(piece.token_ids, piece.text, "relay")
-                        if finished:
-                            nxt = None
-                            break
-                        nxt = asyncio.ensure_future(relay.__anext__())
-                        continue
-                    # the main decode holds the prompt's KV: cut the relay off here
-                    break
-            finally:
-                if nxt is not None:
-                    nxt.cancel()
-                    with contextlib.suppress(BaseException):
-                        await nxt
-                await relay.aclose()  # closing the stream aborts the relay's request
-            if finished or len(relay_ids) >= g.max_tokens:
-                # the request ended on the relay (EOS, a stop string, or a
-                # one-token request): the main decode still takes the KV, so
-                # its cache stays aligned with the prefill's; then the pin goes
-                yield _Piece([], "", "relay", finished or "length")
-                self._spawn(self._finish_load(g, tid, md_load, rec))
-                return
-            cut_at = time.perf_counter()
-            try:
-                rec.main_load = dict((await md_load).get("kv") or {})
+                async with self.session.post(f"{cfg.main.url}/v1/completions", json=load_body) as r:
+                    data = await r.json()
+                    if r.status != 200:
+                        raise ProxyError(502, f"main decode load: HTTP {r.status}: {data}")
+                    rec.main_load = dict((data.get("kv_transfer_params") or {}).get("kv") or {})
             except Exception as e:  # the main decode recomputes what it lacks
                 rec.main_load = {"error": f"{type(e).__name__}: {e}"}
-            # the relay's text may hold back the end of its last token: settle it
-            full = await self._detokenize(g, relay_ids) if relay_ids else ""
-            if full.startswith(relay_text) and len(full) > len(relay_text) and "\ufffd" not in full:
-                yield _Piece([], full[len(relay_text) :], "relay")
-            body = self._body(
-                g,
-                g.prompt_ids + relay_ids,
-                g.max_tokens - len(relay_ids),
-                kv_transfer_params={"unpin": tid},
-            )
-            first = True
-            async for piece in self._stream(cfg.main, body, "main"):
-                if first and piece.token_ids:
-                    first = False
-                    rec.handoff_s = time.perf_counter() - cut_at
-                yield piece
+            inbox.put_nowait(("md_loaded",))
+
+        async def read(name: str, backend: Backend, body: dict[str, Any]) -> None:
+            try:
+                async for piece in self._stream(backend, body, name):
+                    inbox.put_nowait((name, piece))
+                inbox.put_nowait((name + "_end",))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                inbox.put_nowait((name + "_error", e))
+
+        async def extend(ids: tuple[int, ...], count: int) -> None:
+            body = self._body(g, g.prompt_ids + list(ids), 1, stream=False)
+            try:
+                async with self.session.post(f"{cfg.main.url}/v1/completions", json=body) as r:
+                    data = await r.json()
+                    if r.status != 200:
+                        raise ProxyError(502, f"main decode extend: HTTP {r.status}: {data}")
+                inbox.put_nowait(("extended", count))
+            except Exception as e:
+                inbox.put_nowait(("main_error", e))
+
+        def start(name: str, coro: Any) -> None:
+            tasks[name] = asyncio.ensure_future(coro)
+
+        async def stop(name: str) -> None:
+            t = tasks.pop(name, None)
+            if t is not None and not t.done():
+                t.cancel()  # closing the stream aborts the backend's request
+                with contextlib.suppress(BaseException):
+                    await t
+
+        def relay_body(prefix: tuple[int, ...]) -> dict[str, Any]:
+            # the relay only masks latency: the core's budget stops it (its
+            # request is cancelled); it never finishes the request (P-RLD)
+            n = max(1, g.max_tokens - 1 - len(prefix))
+            return self._body(g, g.prompt_ids + list(prefix), n, kv_transfer_params=decode_kv)
+
+        start("md_load", load_main())
+        pre = asyncio.ensure_future(self._prefill(g, tid, [cfg.relay.name, cfg.main.name]))
+        start("relay", read("relay", cfg.relay, relay_body(())))
+        h.open(time.monotonic())
+        finished: str | None = None
+        try:
+            while finished is None:
+                deadline = h.next_deadline()
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(inbox.get(), wait)
+                except TimeoutError:
+                    item = ("tick",)
+                now = time.monotonic()
+                kind = item[0]
+                acts: list[Action] = []
+                if kind == "tick":
+                    acts = h.tick(now)
+                elif kind in ("relay", "main"):
+                    p: _Piece = item[1]
+                    on = h.relay_piece if kind == "relay" else h.main_piece
+                    acts = on(p.token_ids, p.text, p.finish_reason, now)
+                elif kind == "relay_error":
+                    log.warning("transfer %s: relay failed: %s", tid, item[1])
+                    rec.error = f"relay: {item[1]}"
+                    acts = h.relay_failed(now)
+                elif kind == "md_loaded":
+                    acts = h.md_loaded(now)
+                elif kind == "extended":
+                    acts = h.extended(item[1], now)
+                elif kind == "main_error":
+                    raise item[1]
+                elif kind == "main_end":
+                    acts = h.main_ended(now)
+                for act in acts:
+                    if isinstance(act, Show):
+                        yield _Piece(list(act.token_ids), act.text, act.source)
+                    elif isinstance(act, StopRelay):
+                        await stop("relay")
+                    elif isinstance(act, RestartRelay):
+                        start("relay", read("relay", cfg.relay, relay_body(act.prefix)))
+                    elif isinstance(act, Extend):
+                        start("extend", extend(act.ids, act.count))
+                    elif isinstance(act, Continue):
+                        if act.settle:  # the relay's text may hold back its last token's end
+                            tail = await self._text_tail(g, list(act.ids), h.relay_text)
+                            if tail:
+                                yield _Piece([], tail, "relay")
+                        body = self._body(
+                            g,
+                            g.prompt_ids + list(act.ids),
+                            act.max_tokens,
+                            kv_transfer_params={"unpin": tid},
+                        )
+                        start("main", read("main", cfg.main, body))
+                    elif isinstance(act, MainAlone):
+                        async for piece in self._main_alone(g, tid, tasks):
+                            yield piece
+                        return
+                    elif isinstance(act, Done):
+                        finished = act.reason
+            if "main" not in tasks:
+                # the request ended on the relay (EOS, a stop string, a one-token
+                # request): the main decode still takes the KV, so that its cache
+                # stays aligned with the prefill's; then the pin goes
+                self._spawn(self._finish_load(g, tid, tasks.pop("md_load", None)))
+            yield _Piece([], "", "main" if "main" in tasks else "relay", finished)
         finally:
+            for name in list(tasks):
+                if name != "md_load":
+                    await stop(name)
+            rec.mode, rec.rounds, rec.extends = h.mode, h.rounds, h.extends
+            rec.switch_at, rec.switch_gap_s, rec.budget = h.switch_at, h.switch_gap_s, h.budget
+            rec.handoff_s = h.handoff_s
+            self.core.handle(Finish(rid, time.monotonic()))
             self._spawn(self._settle(pre, rec))
 
-    async def _finish_load(
-        self, g: _Gen, tid: str, md_load: asyncio.Future[dict[str, Any]], rec: RequestRecord
-    ) -> None:
-        try:
-            rec.main_load = dict((await md_load).get("kv") or {})
-        except Exception as e:
-            rec.main_load = {"error": f"{type(e).__name__}: {e}"}
+    async def _text_tail(self, g: _Gen, ids: list[int], shown: str) -> str:
+        full = await self._detokenize(g, ids) if ids else ""
+        if full.startswith(shown) and len(full) > len(shown) and "\ufffd" not in full:
+            return full[len(shown) :]
+        return ""
+
+    async def _main_alone(
+        self, g: _Gen, tid: str, tasks: dict[str, asyncio.Future[Any]]
+    ) -> AsyncIterator[_Piece]:
+        """The relay failed before its first token: the main decode streams
+        the whole request once its load is done."""
+        t = tasks.get("md_load")
+        if t is not None:
+            with contextlib.suppress(Exception):
+                await t
+        body = self._body(g, g.prompt_ids, g.max_tokens, kv_transfer_params={"unpin": tid})
+        async for piece in self._stream(self.cfg.main, body, "main"):
+            yield piece
+
+    async def _finish_load(self, g: _Gen, tid: str, md_load: asyncio.Future[Any] | None) -> None:
+        if md_load is not None:
+            with contextlib.suppress(Exception):
+                await md_load
         await self._unpin(g, tid)
 
     async def _unpin(self, g: _Gen, tid: str) -> None:
@@ -540,18 +671,17 @@ class DisaggProxy:
     async def _run(self, g: _Gen) -> AsyncIterator[_Piece]:
         """The one stream of a request, whatever the pipeline; fills its record."""
         tid = uuid.uuid4().hex
-        pipeline, reason, matched = self._route(g, tid)
-        rec = RequestRecord(tid, pipeline.value, reason, len(g.prompt_ids), matched)
+        rid = next(self._rids)
+        pipeline, reason, matched = self._route(g, rid)
+        rec = RequestRecord(tid, pipeline.value, reason, len(g.prompt_ids), matched, user=g.user)
         self.records.append(rec)
-        missing = (len(g.prompt_ids) - matched) * self.router.layout.bytes_per_token
-        self._inflight_md_bytes += missing
         t0 = time.perf_counter()
         out_ids: list[int] = []
         try:
             gen = (
-                self._p_md(g, tid, rec)
+                self._p_md(g, tid, rec, rid)
                 if pipeline is Pipeline.P_MD
-                else self._p_rld_md(g, tid, rec)
+                else self._p_rld_md(g, tid, rec, rid)
             )
             async for piece in gen:
                 if piece.token_ids and rec.ttft_s is None:
@@ -566,7 +696,7 @@ class DisaggProxy:
             rec.error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            self._inflight_md_bytes -= missing
+            self.core.handle(Finish(rid, time.monotonic()))  # off the WAN's queue
             rec.total_s = time.perf_counter() - t0
             if rec.error is None:
                 self.estimate.add(g.prompt_ids + out_ids)
@@ -688,7 +818,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md-block-size", type=int, default=64, help="the main decode's block size")
     p.add_argument("--ttft-target", type=float, default=1.0, help="seconds (router)")
     p.add_argument("--wan-bps", type=float, default=1.25e8, help="prior WAN bytes/s (router)")
-    p.add_argument("--relay-token-cap", type=int, default=64)
+    p.add_argument("--relay-token-budget", type=int, default=64, help="the relay's cap at low load")
+    p.add_argument("--relay-min-budget", type=int, default=8, help="... at full load")
+    p.add_argument(
+        "--relay-capacity", type=int, default=8, help="relayed requests at the relay's full load"
+    )
+    p.add_argument("--relay-step-s", type=float, default=0.05, help="prior seconds per relay token")
+    p.add_argument("--handoff-threshold", type=int, default=16, help="catch-up above this gap")
+    p.add_argument("--handoff-mode", choices=("auto", "one-shot", "catch-up"), default="auto")
+    p.add_argument("--handoff-timeout-s", type=float, default=10.0)
     p.add_argument("--pin-s", type=float, default=30.0)
     p.add_argument("--await-tickets-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
@@ -709,7 +847,13 @@ def main(argv: list[str] | None = None) -> int:
         md_block_tokens=a.md_block_size,
         ttft_target_s=a.ttft_target,
         wan_bps=a.wan_bps,
-        relay_token_cap=a.relay_token_cap,
+        relay_token_budget=a.relay_token_budget,
+        relay_min_budget=a.relay_min_budget,
+        relay_capacity=a.relay_capacity,
+        relay_step_s=a.relay_step_s,
+        handoff_threshold=a.handoff_threshold,
+        handoff_mode=a.handoff_mode,
+        handoff_timeout_s=a.handoff_timeout_s,
         pin_s=a.pin_s,
         await_tickets_s=a.await_tickets_s,
         timeout_s=a.timeout_s,

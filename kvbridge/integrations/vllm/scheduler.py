@@ -60,6 +60,8 @@ class _Send:
     request: Any
     params: PrefillParams
     planned: bool = False  # a SendPlan went out: the worker may be reading its blocks
+    preempted: bool = False  # vLLM preempted it after its SendPlan: its sends are cancelled
+    finished: bool = False  # request_finished came (a finished_sending before it is stale)
     await_until: float = 0.0  # schedule the prefill at this time at the latest
     waiting: bool = False
 
@@ -79,6 +81,25 @@ class _Pin:
     deadline: float
 
 
+def _one_token(request: Any) -> None:
+    """A prefill whose KV is pushed produces one token and ends: the connector
+    relies on it (the request's blocks are sent while it ends, and a request
+    that kept decoding could be preempted with its send reading freed
+    blocks), so it enforces it instead of trusting the proxy's
+    ``max_tokens=1``."""
+    mt = getattr(request, "max_tokens", None)
+    if isinstance(mt, int) and mt > 1:
+        log.info(
+            "request %s pushes its KV: max_tokens %d -> 1 (the decode continues it)",
+            request.request_id,
+            mt,
+        )
+        request.max_tokens = 1
+        sp = getattr(request, "sampling_params", None)
+        if sp is not None and getattr(sp, "max_tokens", None) is not None:
+            sp.max_tokens = 1
+
+
 class ConnectorScheduler:
     """Scheduler-side state of one engine.  ``producer`` / ``consumer`` say
     which requests it serves (``kv_both``: both)."""
@@ -91,8 +112,10 @@ class ConnectorScheduler:
         consumer: bool,
         block_ids_of: Callable[[str], list[int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tp_size: int = 1,
     ) -> None:
         self.identity = identity
+        self.tp_size = tp_size
         self.producer = producer
         self.consumer = consumer
         self._block_ids_of = block_ids_of
@@ -139,6 +162,7 @@ class ConnectorScheduler:
                 s = self._sends[rid] = _Send(
                     request, p, await_until=self._clock() + p.await_tickets_s
                 )
+                _one_token(request)
             if s.planned or num_computed_tokens or not p.await_tickets_s:
                 return 0, False
             seen = self._tickets.get(p.transfer_id, set())
@@ -177,11 +201,20 @@ class ConnectorScheduler:
         block_ids = list(blocks.get_block_ids()[0])
         rec = _Recv(request, p, planned=True, start=start)
         self._recvs[rid] = rec
-        self._plan.recvs.append(RecvPlan(rid, p.transfer_id, p.prefill, block_ids, start, n))
+        self._plan.recvs.append(
+            RecvPlan(rid, p.transfer_id, p.prefill, block_ids, start, n, p.prefill_tp)
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
         sched = scheduler_output.num_scheduled_tokens
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            s = self._sends.get(rid)
+            if s is not None and s.planned:
+                # its blocks are freed: the worker cancels the sends before
+                # this step's forward writes other requests into them
+                s.preempted = True
+                plan.preempted.append(rid)
         for rid, s in self._sends.items():
             if s.planned or rid not in sched:
                 continue
@@ -224,12 +257,17 @@ class ConnectorScheduler:
             for tid, dests in report.tickets.items():
                 self._tickets.setdefault(tid, set()).update(dests)
                 self._ticket_seen.setdefault(tid, self._clock())
+        # idempotent: a report replayed a step late (vLLM 0.33 replays a
+        # failed worker's outputs at the next aggregation) finds nothing left
+        # to change
         for rid in finished_recving:
             rec = self._recvs.get(rid)
             if rec is not None:
                 rec.reported = True
         for rid in finished_sending:
-            self._sends.pop(rid, None)
+            s = self._sends.get(rid)
+            if s is not None and s.finished:
+                del self._sends[rid]
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -240,8 +278,8 @@ class ConnectorScheduler:
         if s is not None:
             self._tickets.pop(s.params.transfer_id, None)
             self._ticket_seen.pop(s.params.transfer_id, None)
-            ok = status in _FINISHED_OK
-            out = prefill_output(s.params, self.identity, request.num_prompt_tokens)
+            ok = status in _FINISHED_OK and not s.preempted
+            out = prefill_output(s.params, self.identity, request.num_prompt_tokens, self.tp_size)
             if not s.planned:
                 # no send ever started: nothing reads its blocks; the worker
                 # refuses the tickets that come for it
@@ -250,6 +288,7 @@ class ConnectorScheduler:
                     s.params.transfer_id, hold=False, aborted=True
                 )
                 return False, out if ok else None
+            s.finished = True
             self._plan.finished_sends[rid] = FinishedSend(
                 s.params.transfer_id, hold=True, aborted=not ok
             )

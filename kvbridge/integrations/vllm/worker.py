@@ -37,9 +37,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...bridge.decode import plan_sources, tp_sources
 from ...bridge.ticket import Ticket, TicketTransport
 from ...errors import KVBridgeError, LeaseExpired
-from .config import ConnectorConfig, PeerSpec
+from ...layout import tp_head_range
+from .config import ConnectorConfig, PeerSpec, rank_identity
 from .control import (
     META_QUERY,
     META_REPLY,
@@ -53,6 +55,7 @@ from .control import (
     decode_control,
     encode_control,
 )
+from .order import EventSource, LayerGate
 from .plan import RecvPlan, SendPlan, StepPlan, WorkerReport
 
 __all__ = ["ConnectorWorker", "TransferCounters"]
@@ -143,6 +146,7 @@ class _Out:
     released: set[str] = field(default_factory=set)  # bridge request ids released
     hold: bool | None = None  # None: the request is still running
     aborted: bool = False
+    preempted: bool = False
 
 
 @dataclass
@@ -156,6 +160,7 @@ class _In:
     start: int
     end: int
     reported: bool = False
+    prefills: tuple[str, ...] = ()  # the prefill ranks that got a ticket
 
 
 @dataclass
@@ -179,6 +184,7 @@ class ConnectorWorker:
         consumer: bool,
         make_bridge: Callable[..., Any],
         clock: Callable[[], float] = time.monotonic,
+        events: EventSource | None = None,
     ) -> None:
         self.cfg = cfg
         self.producer = producer
@@ -198,6 +204,17 @@ class ConnectorWorker:
         self._ctl_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._peers: dict[str, PeerSpec] = {p.name: p for p in cfg.peers}
+        # prefill: each decode rank's connection name -> (its decode, its rank)
+        self._ranks: dict[str, tuple[PeerSpec, int]] = {
+            p.rank_name(r): (p, r) for p in cfg.peers for r in range(p.tp)
+        }
+        self.identity = cfg.rank_identity
+        self._events = events
+        self._gate: LayerGate | None = None
+        self._heads: tuple[int, int] = (0, 0)
+        self._kv_heads = 0
+        self._renewed: dict[str, float] = {}  # bridge rid -> when its lease was last renewed
+        self.preempt_wait_s = 10.0
         self._ucx_meta: dict[str, queue.Queue[bytes]] = {}
         self._connected: set[str] = set()
         self._connected_lock = threading.Lock()
@@ -220,6 +237,11 @@ class ConnectorWorker:
         self.metrics: Any = None
 
     # ---- setup -------------------------------------------------------------------------
+    def use_events(self, events: EventSource) -> None:
+        """Order layer-wise sends against the engine's stream (a CUDA cache);
+        call before :meth:`register`."""
+        self._events = events
+
     def register(self, cache: Any, layer_names: Iterable[str], block_ratio: int) -> None:
         """Start the bridge over ``cache`` (a PagedKVCache of the engine's
         tensors); ``layer_names`` in layer order; ``block_ratio`` kernel
@@ -229,6 +251,9 @@ class ConnectorWorker:
         self.num_layers = len(names)
         self._block_ratio = block_ratio
         cfg = self.cfg
+        lay = cache.layout
+        self._heads = tuple(lay.head_range)
+        self._kv_heads = int(lay.total_kv_heads)
         kw: dict[str, Any] = {}
         if cfg.metrics_addr is not None:
             # the bridge's own series (kvbridge:*, docs/metrics.md) on an endpoint of its
@@ -240,9 +265,9 @@ class ConnectorWorker:
             kw["metrics"] = self.metrics
         self.bridge = self._make_bridge(
             cache,
-            identity=cfg.identity,
+            identity=self.identity,
             model_id=cfg.model_id,
-            tcp_listen=cfg.listen if self.consumer else None,
+            tcp_listen=cfg.rank_listen if self.consumer else None,
             psk=cfg.psk,
             ucx=cfg.ucx and self.consumer,
             lease_timeout=cfg.lease_s,
@@ -252,9 +277,10 @@ class ConnectorWorker:
             # threads inherit the CPU set of the thread that starts them
             self.bridge.start()
             self._ctl_thread = threading.Thread(
-                target=self._control_loop, name=f"kvbridge-vllm-{cfg.identity}", daemon=True
+                target=self._control_loop, name=f"kvbridge-vllm-{self.identity}", daemon=True
             )
             self._ctl_thread.start()
+            self._gate = LayerGate(self._layers_ready, self._events)
         for ft in (TICKET, REFUSE, META_QUERY, META_REPLY):
             self.bridge.on_control(ft, self._on_control)
         if self.producer:
@@ -267,6 +293,8 @@ class ConnectorWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self._gate is not None:
+            self._gate.close()
         self._ctl.put(None)
         if self._ctl_thread is not None:
             self._ctl_thread.join(timeout=self.cfg.connect_timeout_s + 2)
@@ -331,10 +359,17 @@ class ConnectorWorker:
                     log.warning("cannot give %s our UCX metadata: %s", peer, e)
 
     def _connect_peer(self, name: str) -> bool:
-        """Connect one decode (TCP, then UCX through its metadata); False: retry."""
+        """Connect every rank of one decode (TCP, then UCX through its
+        metadata); False: retry."""
+        spec = self._peers[name]
+        return all([self._connect_rank(spec, r) for r in range(spec.tp)])
+
+    def _connect_rank(self, spec: PeerSpec, rank: int) -> bool:
         from ...bridge import PeerConfig
 
-        spec = self._peers[name]
+        name = spec.rank_name(rank)
+        host, port = spec.rank_addr(rank)
+        ucx_name = f"{name}/ucx"
         cfg = self.cfg
         try:
             if name not in self._connected_names():
@@ -342,8 +377,8 @@ class ConnectorWorker:
                     name,
                     PeerConfig(
                         "tcp",
-                        spec.host,
-                        spec.port,
+                        host,
+                        port,
                         streams=cfg.streams,
                         psk=cfg.psk,
                         expected_peer=name,
@@ -353,17 +388,17 @@ class ConnectorWorker:
                 )
                 with self._connected_lock:
                     self._connected.add(name)
-            if spec.transport == "ucx" and spec.ucx_name not in self._connected_names():
+            if spec.transport == "ucx" and ucx_name not in self._connected_names():
                 q: queue.Queue[bytes] = queue.Queue()
                 self._ucx_meta[name] = q
                 self.bridge.send_control(name, *encode_control(MetaQuery()))
                 blob = q.get(timeout=cfg.connect_timeout_s)
                 self.bridge.connect(
-                    spec.ucx_name,
+                    ucx_name,
                     PeerConfig("ucx", metadata=blob, connect_timeout=cfg.connect_timeout_s),
                 )
                 with self._connected_lock:
-                    self._connected.add(spec.ucx_name)
+                    self._connected.add(ucx_name)
             log.info("connected to decode %s (%s)", name, spec.transport)
             return True
         except (KVBridgeError, queue.Empty) as e:
@@ -390,6 +425,8 @@ class ConnectorWorker:
         plan = self._plan
         if plan is None:
             return
+        if plan.preempted:
+            self._preempt(plan.preempted)
         for rid, fin in plan.finished_sends.items():
             self._finish_send(rid, fin.transfer_id, fin.hold, fin.aborted)
         for sp in plan.sends:
@@ -409,20 +446,26 @@ class ConnectorWorker:
         idx = self._layer_index.get(layer_name)
         if idx is None:
             return
-        for brid in self._lw_step:
+        assert self._gate is not None
+        self._gate.layer_written(self._lw_step, idx + 1)
+
+    def _layers_ready(self, brids: Iterable[str], n: int) -> None:
+        """The gate's release: layers ``[0, n)`` are written (any thread)."""
+        bridge = self.bridge
+        if bridge is None:
+            return
+        for brid in brids:
             try:
-                self.bridge.layers_ready(brid, idx + 1)
+                bridge.layers_ready(brid, n)
             except KVBridgeError as e:  # the send failed: poll reports it
                 log.debug("layers_ready(%s): %s", brid, e)
 
     def end_step(self) -> None:
-        """``wait_for_save``: this step's forward is done."""
+        """``wait_for_save``: this step's forward is issued (on a CPU cache:
+        done; on a GPU the gate releases the last layers when written)."""
         self.begin_step()
-        for brid in self._lw_step:
-            try:
-                self.bridge.layers_ready(brid, self.num_layers)
-            except KVBridgeError as e:
-                log.debug("layers_ready(%s): %s", brid, e)
+        if self._lw_step and self._gate is not None:
+            self._gate.layer_written(self._lw_step, self.num_layers)
         self._lw_step = []
         now = self._clock()
         if self._plan is not None:
@@ -445,6 +488,7 @@ class ConnectorWorker:
         self._drain_inbox()
         self._check_deadlines()
         self._poll()
+        self._renew_leases()
         fs, fr, ff = self._finished_sending, self._finished_recving, self._failed_recving
         self._finished_sending, self._finished_recving, self._failed_recving = set(), set(), set()
         return fs, fr, ff
@@ -484,7 +528,8 @@ class ConnectorWorker:
             return
         log.debug("ticket for %s from %s: tokens [%d, %d)", tid, peer, t.start, t.end)
         self._tickets.setdefault(tid, {})[peer] = _Ticket(peer, t, raw, self._clock())
-        self._new_tickets.setdefault(tid, []).append(peer)
+        engine = self._ranks[peer][0].name if peer in self._ranks else peer
+        self._new_tickets.setdefault(tid, []).append(engine)
         req_id = self._by_tid.get(tid)
         out = self._outs.get(req_id) if req_id else None
         if out is not None and out.kv_ready:
@@ -528,21 +573,43 @@ class ConnectorWorker:
             return list(block_ids)
         return [b * r + j for b in block_ids for j in range(r)]
 
+    def _rank_destinations(self, dests: Iterable[str]) -> tuple[str, ...]:
+        """The decode ranks this prefill rank sends to: for each decode, the
+        ranks whose KV heads this rank is the source of (every rank with one
+        rank on each side; kvbridge.bridge.tp_sources's rule where ranks
+        replicate heads)."""
+        cfg = self.cfg
+        me = self.identity
+        names = [rank_identity(cfg.identity, r, cfg.tp_size) for r in range(cfg.tp_size)]
+        out: list[str] = []
+        for dest in dests:
+            spec = self._peers.get(dest)
+            if spec is None or (spec.tp == 1 and cfg.tp_size == 1):
+                out.append(dest)
+                continue
+            sources = tp_sources(names, self._kv_heads)
+            for r in range(spec.tp):
+                first, n = tp_head_range(self._kv_heads, spec.tp, r)
+                if any(name == me for name, _ in plan_sources((first, first + n), sources)):
+                    out.append(spec.rank_name(r))
+        return tuple(out)
+
     def _plan_send(self, sp: SendPlan) -> None:
-        out = _Out(sp.req_id, sp.transfer_id, sp.destinations, sp.block_ids, sp.num_tokens)
+        dests = self._rank_destinations(sp.destinations)
+        out = _Out(sp.req_id, sp.transfer_id, dests, sp.block_ids, sp.num_tokens)
         self._outs[sp.req_id] = out
         self._by_tid[sp.transfer_id] = sp.req_id
         self._start_sends(out, layerwise=self.cfg.layerwise)
 
     def _dest_name(self, dest: str, t: Ticket) -> str:
-        spec = self._peers.get(dest)
+        spec = self._ranks.get(dest, (None, 0))[0]
         if t.transport is TicketTransport.UCX and spec is not None and spec.transport == "ucx":
-            return spec.ucx_name
+            return f"{dest}/ucx"
         return dest
 
     def _start_sends(self, out: _Out, *, layerwise: bool) -> None:
         """Send to every destination whose ticket is in and that has no send yet."""
-        if out.aborted or out.hold is False:
+        if out.aborted or out.preempted or out.hold is False:
             return
         tickets = self._tickets.get(out.transfer_id, {})
         for dest in out.destinations:
@@ -581,6 +648,77 @@ class ConnectorWorker:
             if layerwise:
                 self._lw_step.append(t.request_id)
                 self.counters.layerwise_sends += 1
+
+    def _preempt(self, req_ids: Iterable[str]) -> None:
+        """vLLM preempted these prefill requests and freed their blocks; the
+        blocks go to other requests in this step's forward.  Their sends are
+        cancelled (the decode's receive fails: it recomputes or fails the
+        request, as its ``kv_load_failure_policy`` says) and this call returns
+        only when the bridge has released every one of them: after that no
+        send reads the blocks.  The request itself ends later, through
+        ``request_finished``, and is reported in ``finished_sending`` once."""
+        waiting: set[str] = set()
+        for req_id in req_ids:
+            out = self._outs.get(req_id)
+            if out is None or out.preempted:
+                continue
+            out.preempted = True
+            log.info("transfer %s: the prefill request was preempted", out.transfer_id)
+            self._dead[out.transfer_id] = self._clock()
+            for dest, tk in self._tickets.pop(out.transfer_id, {}).items():
+                self._refuse(dest, tk.ticket.request_id, RefuseCode.ABORTED, "prefill preempted")
+            for dest in out.destinations:
+                brid = out.started.get(dest)
+                if brid is None:
+                    out.ended.add(dest)
+                elif brid not in out.released:
+                    self._cancel_bridge(brid, "the prefill request was preempted")
+                    waiting.add(brid)
+            self.counters.failures["send:Preempted"] = (
+                self.counters.failures.get("send:Preempted", 0) + 1
+            )
+        if not waiting:
+            return
+        if self._gate is not None:
+            self._gate.drain(self.preempt_wait_s)
+        t0 = time.monotonic()
+        while True:
+            self._poll()
+            left = {b for b in waiting if b in self._out_rids}
+            left = {b for b in left if b not in self._outs[self._out_rids[b][0]].released}
+            if not left:
+                return
+            if time.monotonic() - t0 > self.preempt_wait_s:
+                log.error(
+                    "sends %s still hold preempted blocks after %.0f s", sorted(left),
+                    self.preempt_wait_s,
+                )  # fmt: skip
+                return
+            time.sleep(0.001)
+
+    def _renew_leases(self) -> None:
+        """Renew the lease of every running send at a third of its length: a
+        send that waits behind others (a batch of 128 on a slow link) keeps
+        its pages while its transfer deadline (``send_timeout_s``) runs; one
+        bridge call per send every ``lease_s / 3`` seconds at most."""
+        now = self._clock()
+        every = self.cfg.lease_s / 3
+        live: set[str] = set()
+        for out in self._outs.values():
+            for brid in out.started.values():
+                if brid in out.released:
+                    continue
+                live.add(brid)
+                last = self._renewed.setdefault(brid, now)
+                if now - last >= every:
+                    self._renewed[brid] = now
+                    try:
+                        self.bridge.renew_lease(brid)
+                    except KVBridgeError as e:
+                        log.debug("renew_lease(%s): %s", brid, e)
+        for brid in list(self._renewed):
+            if brid not in live:
+                del self._renewed[brid]
 
     def _fail_dest(self, out: _Out, dest: str, kind: str) -> None:
         out.ended.add(dest)
@@ -623,38 +761,67 @@ class ConnectorWorker:
 
     # ---- decode ------------------------------------------------------------------------
     def _expect(self, rp: RecvPlan) -> None:
-        rid = f"{rp.transfer_id}/{self.cfg.identity}"
+        """One receive; with tensor parallelism on either side, one part per
+        prefill rank that holds some of this rank's KV heads, each with its
+        own ticket (kvbridge's ticket v2: the wanted head range), and the
+        request done when every part landed (failed by the first part that
+        fails)."""
+        rid = f"{rp.transfer_id}/{self.identity}"
+        whole = rp.prefill_tp == 1 and self._heads == (0, self._kv_heads)
+        ranks = [rank_identity(rp.prefill, r, rp.prefill_tp) for r in range(rp.prefill_tp)]
         rec = _In(rp.req_id, rp.transfer_id, rid, rp.prefill, rp.start, rp.end)
         self._ins[rp.req_id] = rec
         via = "ucx" if self.cfg.ucx else "tcp"
+        tickets: dict[str, bytes]
         try:
-            ticket = self.bridge.expect(
-                rid,
-                self._kernel_blocks(rp.block_ids),
-                rp.start,
-                rp.end,
-                via=via,
-                timeout=self.cfg.recv_timeout_s,
-                peer=rp.prefill,
-            )
+            if whole:
+                one = self.bridge.expect(
+                    rid,
+                    self._kernel_blocks(rp.block_ids),
+                    rp.start,
+                    rp.end,
+                    via=via,
+                    timeout=self.cfg.recv_timeout_s,
+                    peer=rp.prefill,
+                )
+                tickets = {rp.prefill: one}
+            else:
+                tickets = self.bridge.expect(
+                    rid,
+                    self._kernel_blocks(rp.block_ids),
+                    rp.start,
+                    rp.end,
+                    via=via,
+                    timeout=self.cfg.recv_timeout_s,
+                    peer=rp.prefill,
+                    heads=self._heads,
+                    sources=tp_sources(ranks, self._kv_heads),
+                )
         except KVBridgeError as e:
             self._recv_failed(rec, e)
             return
         self._in_rids[rid] = rp.req_id
-        log.debug("expect %s: tokens [%d, %d) from %s", rid, rp.start, rp.end, rp.prefill)
-        try:
-            self.bridge.send_control(rp.prefill, *encode_control(TicketMsg(ticket)))
-        except KVBridgeError as e:
-            log.warning(
-                "transfer %s: no way to reach prefill %s: %s", rp.transfer_id, rp.prefill, e
-            )
-            self._cancel_bridge(rid, f"prefill {rp.prefill} unreachable: {e}")
+        rec.prefills = tuple(tickets)
+        log.debug("expect %s: tokens [%d, %d) from %s", rid, rp.start, rp.end, sorted(tickets))
+        for prefill, ticket in tickets.items():
+            try:
+                self.bridge.send_control(prefill, *encode_control(TicketMsg(ticket)))
+            except KVBridgeError as e:
+                log.warning(
+                    "transfer %s: no way to reach prefill %s: %s", rp.transfer_id, prefill, e
+                )
+                self._cancel_bridge(rid, f"prefill {prefill} unreachable: {e}")
+                for other in tickets:
+                    if other != prefill:
+                        self._refuse(other, rid, RefuseCode.ABORTED, "another rank unreachable")
+                return
 
     def _cancel_recv(self, req_id: str) -> None:
         rec = self._ins.get(req_id)
         if rec is None or rec.reported:
             return
-        self._refuse(rec.prefill, rec.rid, RefuseCode.ABORTED, "the decode request ended")
+        for prefill in rec.prefills or (rec.prefill,):
+            self._refuse(prefill, rec.rid, RefuseCode.ABORTED, "the decode request ended")
         self._cancel_bridge(rec.rid, "the decode request ended")
 
     def _recv_failed(self, rec: _In, err: KVBridgeError) -> None:

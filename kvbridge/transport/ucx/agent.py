@@ -11,7 +11,9 @@ completes when the bytes have landed.  See docs/ucx.md.
 The agent owns the engine, the loop binding, the operations in flight, the
 heartbeat and the dispatch of control messages; the peers (peer.py), the
 handshake (hello.py), the receiving side (expect.py) and the staging path
-(staging.py) talk to it through the methods under "used by the parts".
+(staging.py) call its private engine callbacks (the underscored methods
+under "used by the parts").  The public surface is what an engine calls:
+docs/ucx.md's API section, held by tests/test_ucx_surface.py.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,7 @@ from ...errors import (
     PeerGone,
     TransferTimeout,
     Unavailable,
+    VersionMismatch,
     code_for_error,
     error_for_code,
     ucs_error,
@@ -43,10 +46,11 @@ from ...layout import KVLayout, MemoryOrder
 from ..deadlines import Deadlines
 from .expect import Expect, Expectations
 from .handle import TransferHandle
-from .hello import Hellos
+from .hello import Hellos, new_tag
 from .loader import DEFAULT_UCX_CONFIG, load, shm_fifo, unavailable_reason
 from .messages import (
     MAX_HELLO_BLOB,
+    MAX_IDENTITY,
     MAX_RID,
     Kind,
     Message,
@@ -63,7 +67,18 @@ from .regions import Registration, map_engine_error
 from .runs import CacheGeometry, as_table, check_table, plan_args
 from .staging import Staging
 
-__all__ = ["UcxAgent"]
+__all__ = ["COUNTERS", "UcxAgent"]
+
+# What stats() counts: messages dropped, parts refused, HELLOs refused.
+COUNTERS = (
+    "dropped_unknown_sender",  # a message under a tag we never issued (or revoked)
+    "dropped_malformed",  # a message that does not decode (bad magic, lengths, kind)
+    "dropped_version",  # a message of another version
+    "done_wrong_pages",  # a DONE naming other pages than the expectation's
+    "done_wrong_peer",  # a part from another peer than the expectation's
+    "early_dropped",  # a part before its expect, over the peer's or the agent's bound
+    "hello_refused",  # a HELLO refused (authentication, layout, stale, malformed)
+)
 
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
 _TINY = 2  # put_range: the runs are too short, nothing was posted
@@ -90,7 +105,7 @@ class _EngineLedger:
             return
         sender = ex.peer.agent_id if ex.peer is not None else b""
         self._engine.expect(
-            ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender
+            ex.token, ex.request_id.encode(), ex.start, ex.end, ex.l0, ex.l1, sender, ex.pages
         )
 
     def unregister(self, ex: Expect) -> None:
@@ -129,18 +144,21 @@ class UcxAgent:
         poll_yield_us: int = 0,
         config: dict[str, str] | None = None,
         packer: Any = None,
+        psk: bytes | Mapping[str, bytes] | None = None,
+        identity: str = "",
+        allow_unauthenticated: bool = False,
     ) -> None:
         mod = load()
         if mod is None:
             raise Unavailable(f"UCX transport unavailable: {unavailable_reason()}")
         self.layout = layout
-        self.cache = cache
-        self.token_bytes = layout.token_bytes_per_layer
-        self.timeout = float(timeout)
-        self.min_put_run_bytes = int(min_put_run_bytes)
+        self._cache = cache
+        self._token_bytes = layout.token_bytes_per_layer
+        self._timeout = float(timeout)
+        self._min_put_run_bytes = int(min_put_run_bytes)
         if error_mode not in ("peer", "none"):
             raise InvalidArgument(f"error_mode must be 'peer' or 'none', not {error_mode!r}")
-        self.error_mode = error_mode
+        self._error_mode = error_mode
         if heartbeat <= 0 or peer_timeout <= heartbeat:
             raise InvalidArgument("need 0 < heartbeat < peer_timeout")
         if progress not in ("thread", "loop"):
@@ -149,44 +167,51 @@ class UcxAgent:
             raise InvalidArgument("busy_poll_us must be in [0, 1e6]")
         if not 0 <= put_window <= 1 << 20:
             raise InvalidArgument("put_window must be in [0, 2**20] (0: no limit)")
-        self.put_window = int(put_window)
+        self._put_window = int(put_window)
         if not 0 <= poll_yield_us <= 1_000_000:
             raise InvalidArgument("poll_yield_us must be in [0, 1e6]")
-        self.poll_yield_us = int(poll_yield_us)
-        self.progress_mode = progress
-        self.busy_poll_us = int(busy_poll_us)
-        self.heartbeat = float(heartbeat)
-        self.peer_timeout = float(peer_timeout)
+        self._poll_yield_us = int(poll_yield_us)
+        if psk is not None and not isinstance(psk, (bytes, Mapping)):
+            raise InvalidArgument("psk must be bytes or a mapping identity -> bytes")
+        if len(identity.encode()) > MAX_IDENTITY:
+            raise InvalidArgument(f"identity longer than {MAX_IDENTITY} bytes of UTF-8")
+        self._psk = psk
+        self._allow_unauthenticated = bool(allow_unauthenticated)
+        self._progress_mode = progress
+        self._busy_poll_us = int(busy_poll_us)
+        self._heartbeat = float(heartbeat)
+        self._peer_timeout = float(peer_timeout)
         cfg = {k: v for k, v in DEFAULT_UCX_CONFIG.items() if f"UCX_{k}" not in os.environ}
         cfg.update(config or {})
         # what peers must match (metadata version 3 names it when not UCX's default)
-        self.shm_fifo = shm_fifo(cfg)
+        self._shm_fifo = shm_fifo(cfg)
         self._mod = mod
         try:
             self._engine = mod.Engine(list(cfg.items()))
         except mod.UcsError as e:
             raise Unavailable(f"UCX could not start: {e.args[-1]}") from None
         try:
-            self.registration = Registration(self._engine, layout, cache, staging_bytes)
+            self._registration = Registration(self._engine, layout, cache, staging_bytes)
         except BaseException:
             self._engine.close()
             raise
-        reg = self.registration
-        self.num_pages = reg.num_pages
-        self.geometry = CacheGeometry(layout, reg.num_pages)
+        reg = self._registration
+        self._num_pages = reg.num_pages
+        self._geometry = CacheGeometry(layout, reg.num_pages)
         self.agent_id = os.urandom(16)
-        self.epoch = time.time_ns()
+        self.identity = identity or self.agent_id.hex()
+        self._epoch = time.time_ns()
         self._engine.set_agent_id(self.agent_id)  # the sender of its DONE messages
-        self._engine.set_put_window(self.put_window)
-        self._engine.set_yield_us(self.poll_yield_us)
+        self._engine.set_put_window(self._put_window)
+        self._engine.set_yield_us(self._poll_yield_us)
         self._md = AgentMetadata(
             self.agent_id,
-            self.epoch,
+            self._epoch,
             layout,
             reg.num_pages,
             self._engine.address(),
             reg.regions,
-            self.shm_fifo,
+            self._shm_fifo,
         )
         self._blob = encode_metadata(self._md)
         if len(self._blob) > MAX_HELLO_BLOB:
@@ -195,7 +220,7 @@ class UcxAgent:
                 f"UCX registration metadata of {len(self._blob)} bytes does not fit in a "
                 f"HELLO ({MAX_HELLO_BLOB}): too many regions or too long remote keys"
             )
-        self.staging = Staging(
+        self._staging = Staging(
             self,
             layout,
             cache,
@@ -206,17 +231,20 @@ class UcxAgent:
             staging_threads,
             packer,
         )
-        self.expectations = Expectations(
+        self._expectations = Expectations(
             self._reject,
-            self.staging.start_recv,
+            self._staging.start_recv,
             _EngineLedger(self._engine, layout.head_range),
             layout.head_range,
+            self._count,
         )
         self._next_token = 1
         self._in_events = False
         self._hellos = Hellos(self)
         self._peers: dict[bytes, UcxPeer] = {}
         self._by_ep: dict[int, UcxPeer] = {}
+        self._by_tag: dict[bytes, UcxPeer] = {}  # the tags we issued -> their peers
+        self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._ops: dict[int, _OpEntry] = {}
         self._progress: Progress | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
@@ -248,12 +276,16 @@ class UcxAgent:
         except KeyError:
             raise InvalidArgument(f"no connected peer {key.hex()}") from None
 
-    async def connect(self, remote_metadata: bytes, *, timeout: float | None = None) -> UcxPeer:
+    async def connect(
+        self, remote_metadata: bytes, *, timeout: float | None = None, psk: bytes | None = None
+    ) -> UcxPeer:
         """Connect to the agent described by ``remote_metadata``; checks that
         the blob is intact and current (a hello answered by that very agent
-        incarnation) and that the layouts fit.  Returns the peer."""
+        incarnation), that the layouts fit and, with a key (``psk``, else
+        the agent's own for its identity), that the peer proves it holds
+        it.  Returns the peer."""
         self._loop_now()
-        return await self._hellos.connect(remote_metadata, timeout)
+        return await self._hellos.connect(remote_metadata, timeout, psk)
 
     def expect(
         self,
@@ -279,34 +311,40 @@ class UcxAgent:
         rid = request_id if type(request_id) is str else str(request_id)
         hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
         key = (rid, hr)
-        if key in self.expectations:
+        if key in self._expectations:
             raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
         l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
         bt = as_table(block_table)
         if lay.order is MemoryOrder.STRIDED:  # the cache maps its own block table
-            self.cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
+            self._cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
         else:
-            check_table(self.geometry, bt, start, end)  # raises PageIndexError
+            check_table(self._geometry, bt, start, end)  # raises PageIndexError
         if heads is None:  # all our heads: one token of one layer is token_bytes
-            total = (l1 - l0) * (end - start) * self.token_bytes
+            total = (l1 - l0) * (end - start) * self._token_bytes
         else:
             total = lay.wire_nbytes(end - start, (l0, l1), hr)
-        h = self.new_handle(rid, "recv", total, timeout or self.timeout)
+        pages = 0
+        if hr == lay.head_range and start < end:  # a put may complete it: the pages it names
+            try:
+                pages = self._mod.pages_digest(bt, start, end, lay.page_tokens)
+            except (IndexError, ValueError) as e:
+                raise PageIndexError(str(e)) from None
+        h = self._new_handle(rid, "recv", total, timeout or self._timeout)
         token = self._next_token
         self._next_token = token + 1
-        ex = Expect(h, bt, start, end, l0, l1, peer, token, hr)
+        ex = Expect(h, bt, start, end, l0, l1, peer, token, hr, pages)
         h.owner = ex
         if heads is None or hr == lay.head_range:  # in the engine's table: a put completes it
             h.token = token
-        h.poller = self.poll_now
-        self.expectations.add(ex, key)
+        h.poller = self._poll_now
+        self._expectations.add(ex, key)
         if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
         return h
 
-    def poll_now(self, spin_us: int = 0, token: int = 0) -> None:
+    def _poll_now(self, spin_us: int = 0, token: int = 0) -> None:
         """Progress the worker once (``spin_us`` 0: what ``done()`` of a
         handle in flight does, so a polling caller needs no loop wake-up),
         or until something arrives within ``spin_us`` (at most the agent's
@@ -318,12 +356,12 @@ class UcxAgent:
         kept by its PINGs, not by the DONEs taken here)."""
         if self._closed or self._in_events or self._loop is None:
             return
-        spin = min(spin_us, self.busy_poll_us)
-        yield_us = self.poll_yield_us if spin else 0
+        spin = min(spin_us, self._busy_poll_us)
+        yield_us = self._poll_yield_us if spin else 0
         if token:
             nbytes = self._engine.poll_take(spin, token, yield_us)
             if nbytes >= 0:
-                self.expectations.on_landed(token, nbytes, None, 0, True)
+                self._expectations.on_landed(token, nbytes, None, 0, True)
             elif nbytes == _QUEUED:
                 self._on_events()
             return
@@ -338,13 +376,16 @@ class UcxAgent:
             return
         if self._loop is not None:
             for p in self.peers:
-                self.post_message(p, Message(Kind.BYE, self.agent_id))
+                self._post(p, Message(Kind.BYE, self.agent_id))
         closing = Cancelled("the UCX agent closed")
         for p in self.peers:
-            p.gone(closing)
-        self.expectations.fail_all(closing)
+            p._gone(closing)
+        self._peers.clear()
+        self._by_ep.clear()
+        self._by_tag.clear()
+        self._expectations.fail_all(closing)
         self._hellos.fail_all(closing)
-        await self.staging.close()
+        await self._staging.close()
         self._closed = True
         if self._hb_timer is not None:
             self._hb_timer.cancel()
@@ -359,6 +400,10 @@ class UcxAgent:
         self._ops.clear()
         self._engine.close()  # flushes what is posted (the BYEs), then closes
 
+    def stats(self) -> dict[str, int]:
+        """What this agent dropped or refused, by reason (``COUNTERS``)."""
+        return dict(self._counts)
+
     async def __aenter__(self) -> UcxAgent:
         self._loop_now()
         return self
@@ -368,52 +413,78 @@ class UcxAgent:
 
     # ---- used by the parts (peer, hello, expect, staging) ---------------------------------
     @property
-    def cache_region_ids(self) -> np.ndarray:
-        return self.registration.cache_ids
+    def _cache_region_ids(self) -> np.ndarray:
+        return self._registration.cache_ids
 
-    def check_open(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise Cancelled("the UCX agent is closed")
 
-    def new_handle(
+    def _new_handle(
         self, rid: str, direction: str, total: int, timeout: float, *, armed: bool = True
     ) -> TransferHandle:
         if self._loop is None or self._closed:
             self._loop_now()
         return TransferHandle(
-            rid, direction, total, timeout, self.abort, armed=armed, deadlines=self._deadlines
+            rid, direction, total, timeout, self._abort, armed=armed, deadlines=self._deadlines
         )
 
-    def known_peer(self, agent_id: bytes) -> UcxPeer | None:
-        return self._peers.get(agent_id)
-
-    def make_peer(self, md: AgentMetadata, same_layout: bool) -> UcxPeer:
+    def _make_peer(self, md: AgentMetadata, same_layout: bool, *, listed: bool = True) -> UcxPeer:
+        """An endpoint to ``md``'s address and the tag we issue to it (what
+        it writes as the sender of every message to us); ``listed``: a peer
+        (else a temporary endpoint, for a HELLO_NACK)."""
         regions = [(r.base, r.length, r.rkey) for r in md.regions]
         try:
-            ep = self._engine.connect(md.address, regions, self.error_mode == "peer")
+            ep = self._engine.connect(md.address, regions, self._error_mode == "peer")
         except Exception as e:
             raise map_engine_error(e, "UCX connect") from None
         peer = UcxPeer(self, md, ep, same_layout)
-        self._peers[md.agent_id] = peer
-        self._by_ep[ep] = peer
-        self._engine.add_peer(md.agent_id)  # its DONE messages may land in C++
+        peer._rx_tag = new_tag()
+        if listed:
+            self._peers[md.agent_id] = peer
+            self._by_ep[ep] = peer
+            self._by_tag[peer._rx_tag] = peer
+            self._engine.add_peer(peer._rx_tag, md.agent_id)  # its DONEs may land in C++
         self._kick()
         return peer
 
-    def forget(self, peer: UcxPeer) -> None:
-        """Drop a peer and release its endpoint."""
+    def _bind(self, peer: UcxPeer, tx_tag: bytes, identity: str, authenticated: bool) -> None:
+        """The HELLO exchange gave ``peer``'s tag for us: what we write as
+        the sender of every message to it."""
+        peer._tx_tag = tx_tag
+        peer.identity = identity
+        peer.authenticated = authenticated
+        if not self._closed:
+            self._engine.set_ep_tag(peer._ep, tx_tag)
+
+    def _psk_key(self, identity: str) -> bytes | None:
+        """The key of a connection whose initiator is ``identity``."""
+        psk = self._psk
+        if psk is None or isinstance(psk, bytes):
+            return psk
+        return psk.get(identity)
+
+    def _count(self, what: str) -> None:
+        self._counts[what] += 1
+
+    def _forget(self, peer: UcxPeer) -> None:
+        """Drop a peer (from ``peers`` too) and release its endpoint; its
+        tag is revoked (a later message under it is dropped)."""
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
-        self._by_ep.pop(peer.ep, None)
-        self._engine.remove_peer(peer.agent_id)
+        if self._by_ep.pop(peer._ep, None) is None and peer._ep < 0:
+            return  # forgotten already
+        if self._by_tag.get(peer._rx_tag) is peer:
+            del self._by_tag[peer._rx_tag]
+        if peer.error is None:
+            peer._gone(PeerGone(f"peer {peer.name[:8]} was dropped"))
+        self._expectations.fail_peer(peer, peer.error or PeerGone("peer dropped"))
         if not self._closed:
-            self._engine.disconnect(peer.ep)
+            self._engine.remove_peer(peer._rx_tag)
+            self._engine.disconnect(peer._ep)
+        peer._ep = -1
 
-    def accepted(self, peer: UcxPeer) -> None:
-        if self.on_peer is not None:
-            self.on_peer(peer)
-
-    async def close_peer(self, peer: UcxPeer) -> None:
+    async def _close_peer(self, peer: UcxPeer) -> None:
         if peer.error is None and not self._closed:
             done: asyncio.Future[None] = self._loop_now().create_future()
 
@@ -421,22 +492,22 @@ class UcxAgent:
                 if not done.done():
                     done.set_result(None)
 
-            self.post_message(peer, Message(Kind.BYE, self.agent_id), on_sent=sent)
+            self._post(peer, Message(Kind.BYE, self.agent_id), on_sent=sent)
             with contextlib.suppress(asyncio.TimeoutError, KVBridgeError):
                 await asyncio.wait_for(done, 1.0)
         self._peer_gone(peer, Cancelled("peer connection closed locally"))
-        self.forget(peer)
 
-    def post_message(
-        self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
-    ) -> None:
-        """Send a control message; ``on_sent`` runs once it left (or failed)."""
-        if peer.error is not None or self._closed:
+    def _post(self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None) -> None:
+        """Send a control message under ``peer``'s tag (a HELLO, HELLO_ACK or
+        HELLO_NACK as it is); ``on_sent`` runs once it left (or failed)."""
+        hello = msg.kind <= Kind.HELLO_NACK
+        if peer.error is not None or self._closed or (not hello and not peer._tx_tag):
             if on_sent is not None:
                 on_sent()
             return
         try:
-            op, status = self._engine.send(peer.ep, encode_message(msg), on_sent is not None)
+            wire = encode_message(msg, None if hello else peer._tx_tag)
+            op, status = self._engine.send(peer._ep, wire, on_sent is not None)
         except Exception as e:
             self._peer_gone(peer, map_engine_error(e, "UCX message"))
             if on_sent is not None:
@@ -450,7 +521,7 @@ class UcxAgent:
         else:
             on_sent()
 
-    def put_range(
+    def _put_range(
         self,
         peer: UcxPeer,
         block_table: Any,
@@ -469,12 +540,12 @@ class UcxAgent:
         posted).  The block tables go to the engine as they are when they
         are 1-D arrays (the engine converts another integer dtype), else as
         flat int64 arrays."""
-        if peer.plan is None:
-            self.run_plan(peer)
+        if peer._plan is None:
+            self._run_plan(peer)
         rid_bytes = rid.encode()
         if len(rid_bytes) > MAX_RID:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
-        eng, ep, plan, spin = self._engine, peer.ep, peer.plan, self.busy_poll_us
+        eng, ep, plan, spin = self._engine, peer._ep, peer._plan, self._busy_poll_us
         try:
             try:
                 posted = eng.put_range(
@@ -494,18 +565,18 @@ class UcxAgent:
             raise map_engine_error(e, "UCX put") from None
         return None if posted[1] == _TINY else posted  # (op, status, runs, bytes)
 
-    def run_plan(self, peer: UcxPeer) -> Any:
+    def _run_plan(self, peer: UcxPeer) -> Any:
         """The engine's RunPlan between our cache and ``peer``'s (same
         layout), made on first use."""
-        if peer.plan is None:
-            peer.plan = self._mod.RunPlan(
+        if peer._plan is None:
+            peer._plan = self._mod.RunPlan(
                 **plan_args(
-                    self.geometry, peer.geometry, self.cache_region_ids, peer.cache_region_ids
+                    self._geometry, peer._geometry, self._cache_region_ids, peer._cache_region_ids
                 )
             )
-        return peer.plan
+        return peer._plan
 
-    def put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]:
+    def _put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]:
         """Post a PreparedPut under request id ``rid`` (puts, flush, DONE),
         progressing inline for up to ``busy_poll_us``: (op, status)."""
         rid_bytes = rid.encode()
@@ -513,13 +584,13 @@ class UcxAgent:
             raise InvalidArgument(f"request id longer than {MAX_RID} bytes")
         try:
             posted: tuple[int, int] = self._engine.put_prepared(
-                peer.ep, prepared, rid_bytes, self.busy_poll_us
+                peer._ep, prepared, rid_bytes, self._busy_poll_us
             )
         except Exception as e:
             raise map_engine_error(e, "UCX put") from None
         return posted
 
-    def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
+    def _adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None:
         """``h`` completes with the put ``op`` (``status``: its outcome, or
         UCS_INPROGRESS while in flight)."""
         if status == 0:
@@ -527,19 +598,19 @@ class UcxAgent:
         elif status == _INPROGRESS:
             self._ops[op] = h
             h.arm()
-            h.poller = self.poll_now
-            peer.track(h)
+            h.poller = self._poll_now
+            peer._track(h)
             self._kick()
         else:
             h.fail(peer.error or ucs_error(status, f"send {h.request_id!r}"))
 
-    async def put_and_wait(
+    async def _put_and_wait(
         self, peer: UcxPeer, runs: np.ndarray, notify: bytes, timeout: float
     ) -> None:
         """Post a put batch and wait (at most ``timeout``) until it completed."""
         try:
             op, status = self._engine.put(
-                peer.ep, np.ascontiguousarray(runs, dtype=np.uint64), notify, self.busy_poll_us
+                peer._ep, np.ascontiguousarray(runs, dtype=np.uint64), notify, self._busy_poll_us
             )
         except Exception as e:
             raise map_engine_error(e, "UCX put") from e
@@ -566,10 +637,10 @@ class UcxAgent:
 
         await wait_within(fut, timeout, expired)
 
-    def landed(self, ex: Expect, l0: int, l1: int) -> None:
-        self.expectations.landed(ex, l0, l1)
+    def _landed(self, ex: Expect, l0: int, l1: int) -> None:
+        self._expectations.landed(ex, l0, l1)
 
-    def abort(self, h: TransferHandle, exc: KVBridgeError) -> None:
+    def _abort(self, h: TransferHandle, exc: KVBridgeError) -> None:
         """A handle failed or was cancelled here: tell the peer (ABORT with the
         ErrorCode of ``exc``) and stop the handle's task."""
         if h.task is not None:
@@ -577,11 +648,11 @@ class UcxAgent:
         peer: UcxPeer | None = None
         owner = h.owner
         if isinstance(owner, Expect):
-            self.expectations.drop(owner)
+            self._expectations.drop(owner)
             peer = owner.peer
         elif isinstance(owner, UcxPeer):
             peer = owner
-            peer.untrack(h)
+            peer._untrack(h)
         if peer is None:
             return
         blob = (
@@ -597,7 +668,7 @@ class UcxAgent:
             text=str(exc),
             blob=blob,
         )
-        self.post_message(peer, msg)
+        self._post(peer, msg)
 
     # ---- loop binding, progress, heartbeat -------------------------------------------------------
     def _loop_now(self) -> asyncio.AbstractEventLoop:
@@ -606,20 +677,20 @@ class UcxAgent:
             raise Cancelled("the UCX agent is closed")
         if self._loop is None:
             self._loop = loop
-            self.staging.bind()
-            if self.progress_mode == "thread":
+            self._staging.bind()
+            if self._progress_mode == "thread":
                 self._progress = ThreadProgress(
-                    self._engine, loop, self._on_events, self.busy_poll_us, self.poll_yield_us
+                    self._engine, loop, self._on_events, self._busy_poll_us, self._poll_yield_us
                 )
             else:
                 self._progress = LoopProgress(self._engine, loop, self._on_events, self._busy)
-            self._hb_timer = loop.call_later(self.heartbeat, self._beat)
+            self._hb_timer = loop.call_later(self._heartbeat, self._beat)
         elif loop is not self._loop:
             raise InvalidArgument("a UcxAgent is bound to the asyncio loop that first used it")
         return loop
 
     def _busy(self) -> bool:
-        return bool(self._ops) or bool(self.staging.tasks)
+        return bool(self._ops) or bool(self._staging.tasks)
 
     def _kick(self) -> None:
         if self._progress is not None:
@@ -633,16 +704,18 @@ class UcxAgent:
         for p in self.peers:
             if p.error is not None:
                 continue
-            if now - p.last_heard > self.peer_timeout:
-                self._peer_gone(p, PeerGone(f"peer {p.name[:8]} silent for {self.peer_timeout} s"))
+            if now - p._last_heard > self._peer_timeout:
+                self._peer_gone(p, PeerGone(f"peer {p.name[:8]} silent for {self._peer_timeout} s"))
             else:
-                self.post_message(p, Message(Kind.PING, self.agent_id))
-        self._hb_timer = self._loop.call_later(self.heartbeat, self._beat)
+                self._post(p, Message(Kind.PING, self.agent_id))
+        self._hb_timer = self._loop.call_later(self._heartbeat, self._beat)
 
     def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError) -> None:
-        peer.gone(exc)
-        self._engine.remove_peer(peer.agent_id)
-        self.expectations.fail_peer(peer, peer.error or exc)
+        """``peer`` died or closed: fail what it was part of and drop it
+        (from ``peers`` too; a reconnect makes a new peer)."""
+        peer._gone(exc)
+        self._expectations.fail_peer(peer, peer.error or exc)
+        self._forget(peer)
 
     # ---- events ------------------------------------------------------------------------------------
     def _on_events(self, drained: Any = None) -> None:
@@ -677,19 +750,23 @@ class UcxAgent:
             for token, _l0, _l1, nbytes, sender, layers, complete in landed:
                 peer = self._peers.get(sender)
                 if peer is not None:
-                    peer.last_heard = now
-                self.expectations.on_landed(token, nbytes, peer, layers, complete)
+                    peer._last_heard = now
+                self._expectations.on_landed(token, nbytes, peer, layers, complete)
         for raw in messages:
             try:
                 m = decode_message(raw)
+            except VersionMismatch:
+                self._counts["dropped_version"] += 1
+                continue
             except KVBridgeError:
+                self._counts["dropped_malformed"] += 1
                 continue  # a malformed message from a peer is dropped
             self._dispatch(m)
 
     def _put_done(self, h: TransferHandle, status: int) -> None:
         peer = h.owner if isinstance(h.owner, UcxPeer) else None
         if peer is not None:
-            peer.untrack(h)
+            peer._untrack(h)
         if status == 0:
             h.finish()
         else:
@@ -703,15 +780,17 @@ class UcxAgent:
         if m.kind in (Kind.HELLO_ACK, Kind.HELLO_NACK):
             self._hellos.on_reply(m)
             return
-        peer = self._peers.get(m.sender)
-        if peer is None:
+        # the sender is the peer we issued the message's tag to, never an
+        # agent id a message names
+        peer = self._by_tag.get(m.sender)
+        if peer is None or not peer._tx_tag:
+            self._counts["dropped_unknown_sender"] += 1
             return  # not (or no longer) connected
-        peer.last_heard = time.monotonic()
+        peer._last_heard = time.monotonic()
         if m.kind is Kind.PING:
             return
         if m.kind is Kind.BYE:
             self._peer_gone(peer, PeerGone(f"peer {peer.name[:8]} closed"))
-            self.forget(peer)
         elif m.kind in (Kind.DONE, Kind.STAGE_REQ):
             try:
                 if m.kind is Kind.DONE and not m.blob:
@@ -723,18 +802,18 @@ class UcxAgent:
             except KVBridgeError as e:
                 self._reject(peer, m.rid, e)
                 return
-            self.expectations.on_part(peer, m, heads)
+            self._expectations.on_part(peer, m, heads)
         elif m.kind in (Kind.STAGE_READY, Kind.STAGE_CHUNK):
-            self.staging.on_message(m)
+            self._staging.on_message(peer, m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
-            peer.fail_sends(exc, m.rid)
+            peer._fail_sends(exc, m.rid)
             try:
                 named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
             except KVBridgeError:
                 named = None  # a malformed head range: every part of the request from it
-            self.expectations.on_abort(peer, m.rid, named, exc)
+            self._expectations.on_abort(peer, m.rid, named, exc)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))
-        self.post_message(peer, msg)
+        self._post(peer, msg)

@@ -42,6 +42,7 @@ __all__ = ["Expect", "Expectations", "Ledger"]
 
 MAX_EARLY_REQUESTS = 65536
 MAX_EARLY_PARTS = 4096
+MAX_EARLY_PER_PEER = 1024  # parts one peer may have waiting for their expect
 MAX_ABORTED = 4096
 
 Key = tuple[str, tuple[int, int]]  # (request id, heads)
@@ -58,6 +59,7 @@ class Expect:
     peer: UcxPeer | None  # bound at expect(peer=...) or by the first part
     token: int  # its entry in the ledger
     heads: tuple[int, int]  # the model's KV heads [h0, h1) this part brings
+    pages: int = 0  # the pages digest a DONE must name (messages.pages_digest_py)
 
     @property
     def request_id(self) -> str:
@@ -94,8 +96,10 @@ class Expectations:
         staged: Callable[[Expect, UcxPeer, Message], None],
         ledger: Ledger,
         own_heads: tuple[int, int] = (0, 0),
+        count: Callable[[str], None] | None = None,
     ) -> None:
         self._reject = reject
+        self._count = count or (lambda _what: None)
         self._staged = staged
         self._ledger = ledger
         self._own_heads = own_heads
@@ -134,6 +138,7 @@ class Expectations:
             self._aborted.pop(key, None)
         if self._early:
             for peer, msg in self._early.pop(key, ()):
+                peer._early_parts -= 1
                 self.deliver(ex, peer, msg)
 
     def _unlink(self, ex: Expect) -> None:
@@ -157,11 +162,19 @@ class Expectations:
             h.owner = None
 
     def fail_peer(self, peer: UcxPeer, exc: KVBridgeError) -> None:
-        """Fail every expectation bound to ``peer``."""
+        """Fail every expectation bound to ``peer`` and forget its early parts."""
         for ex in list(self._table.values()):
             if ex.peer is peer:
                 ex.handle.fail(exc)
                 self.drop(ex)
+        if peer._early_parts:
+            for key in list(self._early):
+                kept = [(p, m) for p, m in self._early[key] if p is not peer]
+                if kept:
+                    self._early[key] = kept
+                else:
+                    del self._early[key]
+            peer._early_parts = 0
 
     def fail_all(self, exc: KVBridgeError) -> None:
         for ex in list(self._table.values()):
@@ -191,12 +204,27 @@ class Expectations:
             if m.kind is Kind.STAGE_REQ:
                 self._reject(peer, m.rid, Cancelled(f"request {m.rid!r} was aborted here"))
             return
-        early = self._early.setdefault(key, [])
-        if len(self._early) > MAX_EARLY_REQUESTS or len(early) > MAX_EARLY_PARTS:
-            self._early.pop(key, None)
-            self._reject(peer, m.rid, ResourceLimit("too many unexpected requests"))
-        else:
-            early.append((peer, m))
+        # kept until its expect, within bounds: per peer, per request, in all
+        early = self._early.get(key)
+        if (
+            peer._early_parts >= MAX_EARLY_PER_PEER
+            or (early is None and len(self._early) >= MAX_EARLY_REQUESTS)
+            or (early is not None and len(early) >= MAX_EARLY_PARTS)
+        ):
+            self._count("early_dropped")
+            self._reject(
+                peer,
+                m.rid,
+                ResourceLimit(
+                    f"too many parts before their expect ({peer._early_parts} of this peer, "
+                    f"at most {MAX_EARLY_PER_PEER})"
+                ),
+            )
+            return
+        if early is None:
+            early = self._early[key] = []
+        early.append((peer, m))
+        peer._early_parts += 1
 
     def on_abort(
         self, peer: UcxPeer, rid: str, heads: tuple[int, int] | None, exc: KVBridgeError
@@ -208,7 +236,16 @@ class Expectations:
                 ex.handle.fail(exc)
                 self.drop(ex)
         for key in [k for k in self._early if k[0] == rid and heads in (None, k[1])]:
-            self._early.pop(key, None)
+            kept = []
+            for p, m in self._early[key]:
+                if p is peer:
+                    p._early_parts -= 1
+                else:
+                    kept.append((p, m))
+            if kept:
+                self._early[key] = kept
+            else:
+                del self._early[key]
 
     def deliver(self, ex: Expect, peer: UcxPeer, m: Message) -> None:
         h = ex.handle
@@ -218,6 +255,8 @@ class Expectations:
             ex.peer = peer
             self._ledger.mark(ex, ex.l0, ex.l0)  # binds it there too
         elif ex.peer is not peer:
+            # another peer's part: dropped (the expectation waits for its own)
+            self._count("done_wrong_peer")
             self._reject(
                 peer, m.rid, IncompatiblePeer(f"request {m.rid!r} is expected from another peer")
             )
@@ -238,6 +277,18 @@ class Expectations:
             err = RemoteProtocolError(
                 f"{m.rid!r}: a put of all our heads {self._own_heads} landed for the part of "
                 f"heads {ex.heads}"
+            )
+            h.fail(err)
+            self.drop(ex)
+            self._reject(peer, m.rid, IncompatiblePeer(str(err)))
+            return
+        if m.kind is Kind.DONE and m.offset != ex.pages:
+            # the peer put into other pages than these (or says so): what is
+            # in ours is not what it sent
+            self._count("done_wrong_pages")
+            err = RemoteProtocolError(
+                f"{m.rid!r}: the DONE names other pages (digest {m.offset:#018x}) than the "
+                f"expected block table's ({ex.pages:#018x})"
             )
             h.fail(err)
             self.drop(ex)

@@ -2,20 +2,25 @@
 
 Every message is one UCX active message of at most ``MAX_MESSAGE`` bytes::
 
-    magic u16 (0x4B55), version u8, kind u8, sender agent id (16 bytes),
+    magic u16 (0x4B55), version u8, kind u8, sender (16 bytes),
     ten u64 fields, then three length-prefixed byte strings
     (request id as UTF-8, text, blob)
 
 The meaning of the numeric fields depends on the kind (see :class:`Message`).
-Version 2 (this build) writes ABORT codes as ``kvbridge.wire.frames.ErrorCode``
-values, the codes of TCP's ABORT frame; version 1 peers wrote 1 (cancelled),
-2 (timeout), 3 (protocol), which :func:`abort_code_v2` translates.  Both
-versions decode; a message keeps the version it was read with.
+Version 3 (this build, the only one it reads): the sender field of every
+message but HELLO is the *connection tag* the receiver issued to the sender
+in the HELLO exchange (a HELLO carries the sender's agent id there, and the
+tag it issues in its blob: :class:`HelloBlob`); the receiver takes the
+sender from the tag, never from an agent id a message names.  A DONE names
+the pages it completed in its ``offset`` field (:func:`pages_digest`).
+ABORT codes are ``kvbridge.wire.frames.ErrorCode`` values.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -24,30 +29,45 @@ from ...errors import InvalidArgument, RemoteProtocolError, UnknownFrame, Versio
 __all__ = [
     "MAX_HELLO_BLOB",
     "MAX_MESSAGE",
+    "TAG_BYTES",
+    "AckBlob",
+    "HelloBlob",
     "Kind",
     "Message",
     "abort_code_v2",
+    "ack_proof",
+    "decode_ack_blob",
+    "decode_hello_blob",
     "decode_message",
+    "encode_ack_blob",
+    "encode_hello_blob",
     "encode_message",
     "heads_blob",
+    "hello_proof",
     "message_heads",
+    "pages_digest_py",
 ]
 
 MAGIC = 0x4B55
-VERSION = 2
-MIN_VERSION = 1
+VERSION = 3
+MIN_VERSION = 3
 MAX_MESSAGE = 60 * 1024
 MAX_RID = 1024
+TAG_BYTES = 16  # a connection tag
+PROOF_BYTES = 32  # HMAC-SHA256
+MAX_IDENTITY = 255  # bytes of UTF-8
 
 _HEAD = struct.Struct("<HBB16s10QHHI")
-MAX_HELLO_BLOB = MAX_MESSAGE - _HEAD.size  # the largest metadata a HELLO carries
+_HELLO_PREFIX = struct.Struct("<16s32sH")  # tag, proof, identity length
+# the largest metadata a HELLO carries (with the longest identity)
+MAX_HELLO_BLOB = MAX_MESSAGE - _HEAD.size - _HELLO_PREFIX.size - MAX_IDENTITY
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # blob: sender metadata; target, epoch: whom the sender thinks it reaches
-    HELLO_ACK = 2
-    HELLO_NACK = 3  # code, text
-    DONE = 4  # a put part landed: rid, start, end, l0, l1, nbytes; blob: heads
+    HELLO = 1  # sender: agent id; code: the target's epoch; blob: HelloBlob
+    HELLO_ACK = 2  # sender: the HELLO's tag; blob: AckBlob
+    HELLO_NACK = 3  # sender: the HELLO's tag; code, text
+    DONE = 4  # a put part landed: rid, start, end, l0, l1, nbytes, offset: pages digest
     STAGE_REQ = 5  # rid, part, start, end, l0, l1, nbytes; blob: heads
     STAGE_READY = 6  # rid, part, slot (offset), length (slot bytes)
     STAGE_CHUNK = 7  # rid, part, offset (wire), length, slot, last
@@ -76,15 +96,124 @@ class Message:
     version: int = VERSION
 
 
-# version 1 ABORT codes -> ErrorCode: CANCELLED, TIMEOUT, PROTOCOL_ERROR
-_V1_ABORT = {1: 9, 2: 10, 3: 5}
-
-
 def abort_code_v2(m: Message) -> int:
-    """The ErrorCode value of an ABORT, whichever version wrote it."""
-    if m.version == 1:
-        return _V1_ABORT.get(m.code, 0)
+    """The ErrorCode value of an ABORT (version 3 writes ErrorCode values)."""
     return m.code
+
+
+@dataclass(frozen=True)
+class HelloBlob:
+    """A HELLO's blob: the tag the sender issues to the receiver (the sender
+    field of everything the receiver sends it from now on), the PSK proof
+    (32 zero bytes without a key), the sender's identity and its metadata."""
+
+    tag: bytes
+    proof: bytes
+    identity: str
+    metadata: bytes
+
+
+@dataclass(frozen=True)
+class AckBlob:
+    """A HELLO_ACK's blob: the tag the acceptor issues, its proof, identity."""
+
+    tag: bytes
+    proof: bytes
+    identity: str
+
+
+def _prefix(tag: bytes, proof: bytes, identity: str) -> bytes:
+    ident = identity.encode()
+    if len(tag) != TAG_BYTES or len(proof) != PROOF_BYTES or len(ident) > MAX_IDENTITY:
+        raise InvalidArgument("bad tag, proof or identity (at most 255 bytes of UTF-8)")
+    return _HELLO_PREFIX.pack(tag, proof, len(ident)) + ident
+
+
+def _unprefix(blob: bytes, what: str) -> tuple[bytes, bytes, str, int]:
+    if len(blob) < _HELLO_PREFIX.size:
+        raise RemoteProtocolError(f"{what} blob of {len(blob)} bytes is too short")
+    tag, proof, n = _HELLO_PREFIX.unpack_from(blob)
+    end = _HELLO_PREFIX.size + n
+    if n > MAX_IDENTITY or end > len(blob):
+        raise RemoteProtocolError(f"{what} identity of {n} bytes does not fit")
+    try:
+        ident = bytes(blob[_HELLO_PREFIX.size : end]).decode()
+    except UnicodeDecodeError:
+        raise RemoteProtocolError(f"{what} identity is not UTF-8") from None
+    return bytes(tag), bytes(proof), ident, end
+
+
+def encode_hello_blob(b: HelloBlob) -> bytes:
+    return _prefix(b.tag, b.proof, b.identity) + b.metadata
+
+
+def decode_hello_blob(blob: bytes) -> HelloBlob:
+    tag, proof, ident, end = _unprefix(blob, "HELLO")
+    return HelloBlob(tag, proof, ident, bytes(blob[end:]))
+
+
+def encode_ack_blob(b: AckBlob) -> bytes:
+    return _prefix(b.tag, b.proof, b.identity)
+
+
+def decode_ack_blob(blob: bytes) -> AckBlob:
+    tag, proof, ident, end = _unprefix(blob, "HELLO_ACK")
+    if end != len(blob):
+        raise RemoteProtocolError("HELLO_ACK blob has trailing bytes")
+    return AckBlob(tag, proof, ident)
+
+
+HELLO_LABEL = b"kvbridge-ucx-v3 hello"
+ACK_LABEL = b"kvbridge-ucx-v3 ack"
+_U64 = struct.Struct("<Q")
+_U16 = struct.Struct("<H")
+
+
+def _ident(identity: str) -> bytes:
+    b = identity.encode()
+    return _U16.pack(len(b)) + b
+
+
+def hello_proof(
+    key: bytes, initiator: bytes, target: bytes, target_epoch: int, tag: bytes, identity: str
+) -> bytes:
+    """HMAC-SHA256(key, "kvbridge-ucx-v3 hello" || initiator agent id ||
+    target agent id || u64 target epoch || tag || u16 len || identity)."""
+    msg = HELLO_LABEL + initiator + target + _U64.pack(target_epoch) + tag + _ident(identity)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def ack_proof(
+    key: bytes,
+    acceptor: bytes,
+    initiator: bytes,
+    hello_tag: bytes,
+    ack_tag: bytes,
+    identity: str,
+) -> bytes:
+    """HMAC-SHA256(key, "kvbridge-ucx-v3 ack" || acceptor agent id ||
+    initiator agent id || the HELLO's tag || the ACK's tag || u16 len ||
+    the acceptor's identity)."""
+    msg = ACK_LABEL + acceptor + initiator + hello_tag + ack_tag + _ident(identity)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def pages_digest_py(block_table: list[int], start: int, end: int, page_tokens: int) -> int:
+    """The pages digest of a DONE, in Python (the engine computes it in C++:
+    ``_ucx.pages_digest``): XXH3-64 of u64 start, end and the i64 entries
+    ``[start // page_tokens, ceil(end / page_tokens))`` of the receiver's
+    block table, little-endian.  The layers are not in it: a DONE names
+    them, and they are checked against the expected range."""
+    from ...pack import xxh3_64
+
+    first = start // page_tokens
+    last = -(-end // page_tokens) if end > start else first
+    if last > len(block_table):
+        raise InvalidArgument("block table too short for the token range")
+    data = struct.pack(f"<2Q{last - first}q", start, end, *block_table[first:last])
+    import numpy as np
+
+    return int(xxh3_64(np.frombuffer(data, dtype=np.uint8)))
 
 
 _HEADS = struct.Struct("<II")
@@ -112,7 +241,8 @@ def message_heads(m: Message, total: int) -> tuple[int, int]:
     return (int(h0), int(h1))
 
 
-def encode_message(m: Message) -> bytes:
+def encode_message(m: Message, sender: bytes | None = None) -> bytes:
+    """``sender``: written instead of ``m.sender`` (the connection tag)."""
     rid = m.rid.encode()
     text = m.text.encode()[:4096]
     if len(rid) > MAX_RID:
@@ -122,7 +252,7 @@ def encode_message(m: Message) -> bytes:
             MAGIC,
             m.version,
             int(m.kind),
-            m.sender,
+            m.sender if sender is None else sender,
             m.start,
             m.end,
             m.l0,

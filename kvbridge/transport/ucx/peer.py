@@ -5,8 +5,7 @@ notification) or the staging path (pack, put, unpack)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,107 +17,51 @@ from .metadata import AgentMetadata, RegionKind
 from .runs import CacheGeometry, as_table
 
 if TYPE_CHECKING:
-    from .staging import Staging
+    from .agent import UcxAgent
 
-__all__ = ["PeerHost", "PreparedSend", "UcxPeer"]
+__all__ = ["PreparedSend", "UcxPeer"]
 
 # the handle of a put that completed inline (called once per small send)
 _completed_send = TransferHandle.completed_send
 
 
-class PeerHost(Protocol):
-    """What a peer needs from its agent."""
-
-    agent_id: bytes
-    layout: KVLayout
-    geometry: CacheGeometry
-    timeout: float
-    min_put_run_bytes: int
-    staging: Staging
-    token_bytes: int  # of one token in one layer (layout.token_bytes_per_layer)
-
-    @property
-    def cache_region_ids(self) -> np.ndarray: ...
-
-    def check_open(self) -> None: ...
-
-    def new_handle(
-        self, rid: str, direction: str, total: int, timeout: float, *, armed: bool = True
-    ) -> TransferHandle: ...
-
-    def put_range(
-        self,
-        peer: UcxPeer,
-        block_table: Any,
-        remote_block_table: Any,
-        start: int,
-        end: int,
-        l0: int,
-        l1: int,
-        rid: str,
-        min_mean_run: int,
-    ) -> tuple[int, int, int, int] | None: ...
-
-    def run_plan(self, peer: UcxPeer) -> Any: ...
-
-    def put_prepared(self, peer: UcxPeer, prepared: Any, rid: str) -> tuple[int, int]: ...
-
-    def abort(self, h: TransferHandle, exc: KVBridgeError) -> None: ...
-
-    def adopt_put(self, peer: UcxPeer, h: TransferHandle, op: int, status: int) -> None: ...
-
-    def expect(
-        self,
-        request_id: str,
-        block_table: Any,
-        start: int,
-        end: int,
-        layers: tuple[int, int] | None = None,
-        *,
-        timeout: float | None = None,
-        peer: UcxPeer | None = None,
-        heads: tuple[int, int] | None = None,
-    ) -> TransferHandle: ...
-
-    async def close_peer(self, peer: UcxPeer) -> None: ...
-
-    def post_message(
-        self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None
-    ) -> None: ...
-
-
 class UcxPeer:
     """A connected remote agent.  Create with :meth:`UcxAgent.connect`."""
 
-    def __init__(self, host: PeerHost, md: AgentMetadata, ep: int, same_layout: bool) -> None:
+    def __init__(self, host: UcxAgent, md: AgentMetadata, ep: int, same_layout: bool) -> None:
         self._host = host
-        self.metadata = md
-        self.ep = ep
+        self._metadata = md
+        self._ep = ep
         self.same_layout = same_layout
         self.name = md.agent_id.hex()
         self.error: KVBridgeError | None = None
-        self.last_heard = time.monotonic()
-        self.geometry = CacheGeometry(md.layout, md.num_pages)
+        self._last_heard = time.monotonic()
+        self._geometry = CacheGeometry(md.layout, md.num_pages)
         regions = list(md.regions)
-        self.cache_region_ids = np.array(
+        self._cache_region_ids = np.array(
             [i for i, r in enumerate(regions) if r.kind is RegionKind.CACHE], dtype=np.int64
         )
-        self.staging_index = md.staging_region()
+        self._staging_index = md.staging_region()
         self._sends: dict[int, TransferHandle] = {}
-        self.plan: Any = None  # the engine's RunPlan to this peer (same layout only)
+        self._plan: Any = None  # the engine's RunPlan to this peer (same layout only)
+        self._rx_tag = b""  # the tag we issued to it: the sender of its messages to us
+        self._tx_tag = b""  # the tag it issued to us (HELLO exchange): empty until then
+        self.identity = ""  # the identity it named in the HELLO exchange
+        self.authenticated = False  # its proof verified against our pre-shared key
+        self._early_parts = 0  # its parts kept until their expect
 
     @property
     def layout(self) -> KVLayout:
-        return self.metadata.layout
+        return self._metadata.layout
 
     @property
     def agent_id(self) -> bytes:
-        return self.metadata.agent_id
+        return self._metadata.agent_id
 
     def _check(self) -> None:
         if self.error is not None:
             raise self.error
-        self._host.check_open()
+        self._host._check_open()
 
     # ---- the user's API --------------------------------------------------------------
     def send(
@@ -144,7 +87,7 @@ class UcxPeer:
         if self.error is not None:
             raise self.error
         host = self._host
-        host.check_open()
+        host._check_open()
         lay = host.layout
         rid = request_id if type(request_id) is str else str(request_id)
         l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
@@ -155,16 +98,16 @@ class UcxPeer:
             whole = hr == lay.head_range
         if not 0 <= start <= end:
             raise LayoutError(f"bad token range [{start}, {end})")
-        deadline = timeout or host.timeout
+        deadline = timeout or host._timeout
         if path == "put" and not whole:
             raise LayoutError("the put path sends whole pages: a head sub-range goes staged")
         if self.same_layout and path != "staging" and whole:
             min_run = 0
-            if path != "put" and host.min_put_run_bytes and self.staging_index is not None:
-                staging = host.staging
+            if path != "put" and host._min_put_run_bytes and self._staging_index is not None:
+                staging = host._staging
                 if staging.usable and staging.pack_module() is not None:
-                    min_run = host.min_put_run_bytes
-            posted = host.put_range(
+                    min_run = host._min_put_run_bytes
+            posted = host._put_range(
                 self,
                 block_table,
                 remote_block_table,
@@ -178,18 +121,18 @@ class UcxPeer:
             if posted is not None:  # else the runs are tiny: staged instead
                 op, status, nruns, nbytes = posted
                 if status == 0:  # flushed at the target and its DONE sent, inline
-                    return _completed_send(rid, nbytes, nruns, deadline, host.abort)
+                    return _completed_send(rid, nbytes, nruns, deadline, host._abort)
                 return self._put_in_flight(rid, op, status, nruns, nbytes, deadline)
         elif path == "put":
             raise LayoutError("the put path needs both caches to have the same memory layout")
-        staging = host.staging
+        staging = host._staging
         staging.require(self)
         if hr is None:
             hr = lay.head_range
-        h = host.new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1), hr), deadline)
+        h = host._new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1), hr), deadline)
         h.owner = self
         h.stats.path = "staging"
-        self.track(h)
+        self._track(h)
         staging.start_send(self, h, block_table, start, end, l0, l1, hr)
         return h
 
@@ -218,13 +161,13 @@ class UcxPeer:
         self._check()
         rid = str(request_id)
         exc = error if error is not None else Cancelled(f"request {rid!r} aborted by the sender")
-        self.fail_sends(exc, rid)
+        self._fail_sends(exc, rid)
         msg = Message(Kind.ABORT, self._host.agent_id, rid, code=code_for_error(exc), text=str(exc))
-        self._host.post_message(self, msg)
+        self._host._post(self, msg)
 
     async def close(self) -> None:
         """Say goodbye and release the endpoint."""
-        await self._host.close_peer(self)
+        await self._host._close_peer(self)
 
     def prepare_send(
         self,
@@ -253,7 +196,7 @@ class UcxPeer:
             )
         bt, rbt = as_table(block_table), as_table(remote_block_table)
         try:
-            prepared = host.run_plan(self).prepare(bt, rbt, start, end, l0, l1)
+            prepared = host._run_plan(self).prepare(bt, rbt, start, end, l0, l1)
         except IndexError as e:
             raise PageIndexError(str(e)) from None
         except ValueError as e:
@@ -266,25 +209,25 @@ class UcxPeer:
     ) -> TransferHandle:
         """The handle of put ``op`` that did not complete inline (``status``)."""
         host = self._host
-        h = host.new_handle(rid, "send", nbytes, deadline, armed=False)
+        h = host._new_handle(rid, "send", nbytes, deadline, armed=False)
         h.owner = self
         h.stats.path = "put"
         h.stats.runs = nruns
         h.stats.bytes = nbytes
-        host.adopt_put(self, h, op, status)
+        host._adopt_put(self, h, op, status)
         return h
 
-    def track(self, h: TransferHandle) -> None:
+    def _track(self, h: TransferHandle) -> None:
         """A send of ours to this peer is in flight."""
         self._sends[id(h)] = h
 
-    def untrack(self, h: TransferHandle) -> None:
+    def _untrack(self, h: TransferHandle) -> None:
         self._sends.pop(id(h), None)
 
-    def sends_for(self, rid: str) -> list[TransferHandle]:
+    def _sends_for(self, rid: str) -> list[TransferHandle]:
         return [h for h in self._sends.values() if h.request_id == rid]
 
-    def fail_sends(self, exc: KVBridgeError, rid: str | None = None) -> None:
+    def _fail_sends(self, exc: KVBridgeError, rid: str | None = None) -> None:
         """Fail our sends to this peer (of ``rid``, or all) and stop their tasks."""
         for h in list(self._sends.values()):
             if rid is not None and h.request_id != rid:
@@ -294,11 +237,11 @@ class UcxPeer:
                 h.task.cancel()
             self._sends.pop(id(h), None)
 
-    def gone(self, exc: KVBridgeError) -> None:
+    def _gone(self, exc: KVBridgeError) -> None:
         """The peer is gone (or closed): remember why and fail our sends."""
         if self.error is None:
             self.error = exc
-        self.fail_sends(exc)
+        self._fail_sends(exc)
 
 
 class PreparedSend:
@@ -330,10 +273,10 @@ class PreparedSend:
         if peer.error is not None:
             raise peer.error
         host = peer._host
-        host.check_open()
+        host._check_open()
         rid = request_id if type(request_id) is str else str(request_id)
-        op, status = host.put_prepared(peer, self._prepared, rid)
-        deadline = timeout or host.timeout
+        op, status = host._put_prepared(peer, self._prepared, rid)
+        deadline = timeout or host._timeout
         if status == 0:  # flushed at the target and its DONE sent, inline
-            return _completed_send(rid, self.nbytes, self.runs, deadline, host.abort)
+            return _completed_send(rid, self.nbytes, self.runs, deadline, host._abort)
         return peer._put_in_flight(rid, op, status, self.runs, self.nbytes, deadline)

@@ -13,7 +13,7 @@ import asyncio
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -24,9 +24,10 @@ from .handle import TransferHandle
 from .messages import Kind, Message, encode_message, heads_blob
 
 if TYPE_CHECKING:
+    from .agent import UcxAgent
     from .peer import UcxPeer
 
-__all__ = ["Staging", "StagingHost"]
+__all__ = ["Staging"]
 
 T = TypeVar("T")
 
@@ -42,27 +43,10 @@ def typed_view(layout: KVLayout, t: Any) -> Any:
     return t
 
 
-class StagingHost(Protocol):
-    """What the staging path needs from its agent."""
-
-    agent_id: bytes
-    timeout: float
-
-    def post_message(self, peer: UcxPeer, msg: Message) -> None: ...
-
-    async def put_and_wait(
-        self, peer: UcxPeer, runs: np.ndarray, notify: bytes, timeout: float
-    ) -> None: ...
-
-    def abort(self, h: TransferHandle, exc: KVBridgeError) -> None: ...
-
-    def landed(self, ex: Expect, l0: int, l1: int) -> None: ...
-
-
 class Staging:
     def __init__(
         self,
-        host: StagingHost,
+        host: UcxAgent,
         layout: KVLayout,
         cache: Any,
         tensors: list[Any],
@@ -118,7 +102,7 @@ class Staging:
         return getattr(mod, "__name__", "") == f"{__name__.split('.')[0]}.pack"
 
     def require(self, peer: UcxPeer) -> None:
-        if self.buffer is None or peer.staging_index is None:
+        if self.buffer is None or peer._staging_index is None:
             raise Unavailable("the staging path needs a staging buffer on both agents")
         if self.pack_module() is None:
             raise Unavailable(
@@ -155,9 +139,9 @@ class Staging:
         return task
 
     # ---- messages ---------------------------------------------------------------------
-    def on_message(self, m: Message) -> None:
-        """A STAGE_READY or STAGE_CHUNK for one of our parts."""
-        q = self._chunks.get((m.sender, m.rid, m.part))
+    def on_message(self, peer: UcxPeer, m: Message) -> None:
+        """A STAGE_READY or STAGE_CHUNK from ``peer`` for one of our parts."""
+        q = self._chunks.get((peer.agent_id, m.rid, m.part))
         if q is not None:
             q.put_nowait(m)
 
@@ -196,7 +180,7 @@ class Staging:
         host = self._host
         pack = self.pack_module().pack
         assert self.buffer is not None and self._slots is not None
-        assert peer.staging_index is not None
+        assert peer._staging_index is not None
         part = id(h) & 0xFFFFFFFFFFFF
         key = (peer.agent_id, h.request_id, part)
         q: asyncio.Queue[Message] = asyncio.Queue()
@@ -217,7 +201,7 @@ class Staging:
                 part,
                 blob=named,
             )
-            host.post_message(peer, req)
+            host._post(peer, req)
             cache = self._paged_cache()
             kw = self._head_kw(heads)
             if self._ranges:  # kvbridge.pack checks the range once
@@ -246,9 +230,11 @@ class Staging:
                     code=int(last),
                 )
                 runs = np.array(
-                    [[self.region_id, slot, peer.staging_index, ready.slot, n]], dtype=np.uint64
+                    [[self.region_id, slot, peer._staging_index, ready.slot, n]], dtype=np.uint64
                 )
-                await host.put_and_wait(peer, runs, encode_message(chunk), host.timeout)
+                await host._put_and_wait(
+                    peer, runs, encode_message(chunk, sender=peer._tx_tag), host._timeout
+                )
                 h.stats.chunks += 1
                 h.stats.runs += 1
                 done += n
@@ -260,14 +246,14 @@ class Staging:
         except KVBridgeError as e:
             err = peer.error or e
             if h.fail(err):
-                host.abort(h, err)
+                host._abort(h, err)
         except Exception as e:  # a pack error: typed for the caller
             err = KVBridgeError(f"staged send of {h.request_id!r}: {e!r}")
             if h.fail(err):
-                host.abort(h, err)
+                host._abort(h, err)
         finally:
             self._chunks.pop(key, None)
-            peer.untrack(h)
+            peer._untrack(h)
             self._slots.put_nowait(slot)
 
     # ---- receiving ----------------------------------------------------------------------
@@ -306,7 +292,7 @@ class Staging:
                     slot=slot,
                     length=self.slot_bytes,
                 )
-                host.post_message(peer, ready)
+                host._post(peer, ready)
                 chunk = await q.get()
                 if (
                     chunk.kind is not Kind.STAGE_CHUNK
@@ -324,17 +310,17 @@ class Staging:
                         raise RemoteProtocolError(
                             f"staged part ended after {got} of {expected} bytes"
                         )
-                    host.landed(ex, req.l0, req.l1)
+                    host._landed(ex, req.l0, req.l1)
                     return
         except asyncio.CancelledError:
             pass
         except KVBridgeError as e:
             if h.fail(e):
-                host.abort(h, e)
+                host._abort(h, e)
         except Exception as e:  # an unpack error: typed for the caller
             err = KVBridgeError(f"staged receive of {req.rid!r}: {e!r}")
             if h.fail(err):
-                host.abort(h, err)
+                host._abort(h, err)
         finally:
             self._chunks.pop(key, None)
             self._slots.put_nowait(slot)

@@ -223,7 +223,7 @@ def decode_metadata(blob):
 # control messages
 
 MSG_MAGIC = 0x4B55
-MSG_VERSION = 1
+MSG_VERSION = 3  # ucx.md "Control messages": version 3 only (connection tags, pages digest)
 MSG_MAX = 60 * 1024
 RID_MAX = 1024
 TEXT_CUT = 4096
@@ -235,9 +235,9 @@ KINDS = {1: "HELLO", 2: "HELLO_ACK", 3: "HELLO_NACK", 4: "DONE", 5: "STAGE_REQ",
 KIND_CODES = {v: k for k, v in KINDS.items()}
 USES = {  # numeric fields + rid/text/blob per kind (table lines 85-96)
     1: ({"code"}, {"blob"}),
-    2: (set(), set()),
+    2: (set(), {"blob"}),
     3: ({"code"}, {"text"}),
-    4: ({"start", "end", "l0", "l1", "nbytes"}, {"rid"}),
+    4: ({"start", "end", "l0", "l1", "nbytes", "offset"}, {"rid"}),
     5: ({"part", "start", "end", "l0", "l1", "nbytes"}, {"rid"}),
     6: ({"part", "slot", "length"}, {"rid"}),
     7: ({"part", "offset", "length", "slot", "code"}, {"rid"}),
@@ -377,3 +377,68 @@ def self_test():
 
 if __name__ == "__main__":
     print(self_test())
+
+
+# --------------------------------------------------------------------------
+# version 3 (ucx.md "Control messages" and "Connecting and who sent it"):
+# the hello and ack blobs, their proofs, the DONE's pages digest
+
+import hmac  # noqa: E402
+
+BLOB_PREFIX = struct.Struct("<16s32sH")  # tag, proof, identity length
+IDENT_MAX = 255
+
+
+def encode_hello_blob(tag, proof, identity, metadata=None):
+    """The hello blob (metadata given) or the ack blob (metadata None)."""
+    ident = identity.encode("utf-8")
+    if len(tag) != 16 or len(proof) != 32 or len(ident) > IDENT_MAX:
+        raise ValueError("tag 16 bytes, proof 32, identity at most 255")
+    out = BLOB_PREFIX.pack(tag, proof, len(ident)) + ident
+    return out + metadata if metadata is not None else out
+
+
+def decode_hello_blob(blob, *, ack=False):
+    if len(blob) < BLOB_PREFIX.size:
+        raise RemoteProtocolError("blob shorter than 50 bytes")
+    tag, proof, n = BLOB_PREFIX.unpack_from(blob, 0)
+    end = BLOB_PREFIX.size + n
+    if n > IDENT_MAX or end > len(blob):
+        raise RemoteProtocolError("identity runs past the blob")
+    try:
+        ident = blob[BLOB_PREFIX.size:end].decode("utf-8")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("identity is not UTF-8")
+    if ack and end != len(blob):
+        raise RemoteProtocolError("ack blob has bytes after the identity")
+    return dict(tag=tag, proof=proof, identity=ident, metadata=None if ack else blob[end:])
+
+
+def _id(identity):
+    b = identity.encode("utf-8")
+    return struct.pack("<H", len(b)) + b
+
+
+def hello_proof(key, initiator, target, target_epoch, tag, identity):
+    msg = (b"kvbridge-ucx-v3 hello" + initiator + target + struct.pack("<Q", target_epoch)
+           + tag + _id(identity))
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def ack_proof(key, acceptor, initiator, hello_tag, ack_tag, identity):
+    msg = b"kvbridge-ucx-v3 ack" + acceptor + initiator + hello_tag + ack_tag + _id(identity)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def pages_digest(block_table, start, end, page_tokens):
+    """XXH3-64 (seed 0) of u64 start, u64 end, then i64 entries
+    [start // page_tokens, ceil(end / page_tokens)) of the block table."""
+    import xxhash  # ASSUMPTION: the xxhash package's XXH3-64 is the protocol's checksum
+
+    first = start // page_tokens
+    last = -(-end // page_tokens) if end > start else first
+    if last > len(block_table):
+        raise ValueError("block table too short")
+    data = struct.pack("<QQ", start, end) + b"".join(
+        struct.pack("<q", x) for x in block_table[first:last])
+    return xxhash.xxh3_64_intdigest(data)
