@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
 BENCH_FILES := -o python_files='test_*.py bench_*.py'
 
-.PHONY: all venv build test test-fast chaos bench bench-quick bench-targets demo lint format asan cuda-check fuzz clean inplace \
+.PHONY: all venv build test test-fast chaos soak bench bench-quick bench-targets demo lint format asan cuda-check fuzz clean inplace \
 	vllm-venv vllm033-src test-vllm demo-vllm
 
 all: build
@@ -41,8 +41,16 @@ test-fast: $(STAMP)
 
 # Random faults through a fault-injecting proxy against the transport and the
 # bridges (tests/test_chaos.py; a few minutes).  KVB_CHAOS_SEED=<n> replays a run.
+# (with a 90 s soak: tests/test_soak.py).
 chaos: $(STAMP)
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests -m chaos -rA
+
+# Mixed traffic against decode peers killed and restarted, with faults, for
+# SOAK_SECONDS (default 1800); fails unless RSS, descriptors and threads come
+# back to baseline (tests/soak.py, docs/reliability.md).
+SOAK_SECONDS ?= 1800
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PYTHON) tests/soak.py
 
 bench: $(STAMP)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(BENCH_FILES) bench --benchmark-only
