@@ -193,3 +193,36 @@ async def test_bad_records_in_etcd_are_skipped(etcd: EtcdServer) -> None:
     finally:
         await watcher.close()
         await admin.close()
+
+
+@aio
+async def test_impostor_entry_gets_no_bytes(etcd: EtcdServer) -> None:
+    """An entry that claims md-0's identity (its key, its id) but points at
+    another receiver: the prefill resolves it through the view, and the
+    kvbridge handshake (PSK) refuses; the impostor receives nothing."""
+    from kvbridge.errors import AuthenticationError
+    from kvbridge.transport.tcp import TcpReceiver, TcpSender
+    from kvbridge.transport.tcp.kvio import BytesSink, BytesSource
+
+    opts = EtcdOptions(port=etcd.port, retry_s=0.1)
+    impostor = await TcpReceiver(psk=b"impostor-key" * 3).start()
+    sink = impostor.expect("req-1", BytesSink(4096))
+    view = RegistryView(compat_hash=COMPAT)
+    watcher = EtcdWatcher(view, opts)
+    await watcher.start()
+    fake = EtcdRegistration(record("md-0", port=impostor.port), opts, ttl_s=3)
+    await fake.start()
+    try:
+        await until(lambda: view.get("md-0") is not None)
+        addr = view.resolve("md-0")
+        assert addr.port == impostor.port
+        tx = TcpSender(addr.host, addr.port, identity="p-0", psk=b"fleet-key" * 4, streams=1)
+        with pytest.raises(AuthenticationError):
+            await tx.send("req-1", BytesSource(b"k" * 4096), token=sink.token).wait(10)
+        assert sink.received_bytes == 0
+        await tx.close()
+    finally:
+        sink.cancel()
+        await fake.close()
+        await watcher.close()
+        await impostor.close()
