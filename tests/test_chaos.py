@@ -13,7 +13,15 @@ not).  It checks that
   deadline (plus a small slack): no hang, no untyped error;
 * no wrong byte ever reaches a sink's ``write`` and no byte is written twice
   (checked at each write, for failed transfers too);
-* a sender that reports completion had its receiver complete.
+* a sender that reports completion had its receiver complete;
+* progress: in every case at least ``MIN_SHARE`` (half) of the transfers
+  complete, verified by hash.  The faults hit only the first connections
+  and every transfer may retry on the clean ones after them, so nearly all
+  complete: over the default base seed and the base seeds 1, 2 and 3 (the
+  transport and bridge cases, 668 transfers) 665 completed (99.6 %), the
+  worst case 4 of 5; the rest failed typed (AuthenticationError: a token
+  damaged into one the receiver never issued).  Half leaves room for an
+  unlucky draw while still failing a run where faults stop delivery.
 
 The seed of a case is in its test id and printed; replay one with
 ``KVB_CHAOS_SEED=<seed> pytest -m chaos tests/test_chaos.py -k 'transport and 0'``
@@ -60,6 +68,7 @@ TRANSPORT_CASES = int(os.environ.get("KVB_CHAOS_CASES", "30"))
 BRIDGE_CASES = int(os.environ.get("KVB_CHAOS_BRIDGE_CASES", "10"))
 DEADLINE = 20.0  # every transfer's own deadline
 SLACK = 4.0  # how much later than its deadline a wait may end
+MIN_SHARE = 0.5  # of each case's transfers that must complete (measured: 99.6 %, worst case 80 %)
 FAST = {"keepalive_interval": 0.5, "keepalive_timeout": 3.0}
 
 
@@ -204,6 +213,13 @@ class Outcome:
     ok: int = 0
     failed: dict[str, int] = field(default_factory=dict)
 
+    def check_progress(self, label: str) -> None:
+        """At least MIN_SHARE of the transfers completed (verified by hash)."""
+        total = self.ok + sum(n for k, n in self.failed.items() if k != "(faults)")
+        assert self.ok >= MIN_SHARE * total, (
+            f"{label}: only {self.ok} of {total} transfers completed ({self.failed})"
+        )
+
 
 def check(label: str, tx_res: Any, rx_res: Any, sink: Any, data: bytes, out: Outcome) -> None:
     (tr, tt), (rr, rt) = tx_res, rx_res
@@ -263,6 +279,7 @@ def test_chaos_transport(case: int) -> None:
     out = Outcome()
     stats = arun(transport_case(w, out), DEADLINE + 3 * SLACK + 30)
     print(f"  {out.ok} completed, failed: {out.failed}, proxy: {stats}")
+    out.check_progress(w.describe())
 
 
 # ---- the bridges over TCP ----------------------------------------------------------------------
@@ -354,6 +371,7 @@ def test_chaos_bridges(case: int, monkeypatch: pytest.MonkeyPatch) -> None:
     out = arun(main(), DEADLINE + 3 * SLACK + 30)
     assert not twice, twice[:3]
     print(f"  {out.ok} completed, failed: {out.failed}")
+    out.check_progress(w.describe())
 
 
 # ---- a faulty soak: memory and descriptors come back -------------------------------------------

@@ -36,3 +36,24 @@ def test_sync_bridge_example_runs() -> None:
     for rid in ("req-1", "req-2", "req-3"):
         assert f"decode: {rid} landed" in out.stdout and f"prefill: {rid} delivered" in out.stdout
     assert 'kvbridge:tx_bytes_total{bridge="prefill-0"' in out.stdout
+
+
+def test_quickstart_example_runs() -> None:
+    """README.md's example: one request's KV from a prefill's SyncBridge to a
+    decode's, byte for byte (100 tokens x 23040 bytes of SmolLM2-shaped KV)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "landed: 2304000 bytes" in out.stdout
+    assert "KV identical on both sides: True" in out.stdout
+
+
+def test_the_readme_quotes_the_quickstart() -> None:
+    """README.md's example is examples/quickstart.py's code, verbatim."""
+    code = (ROOT / "examples" / "quickstart.py").read_text()
+    body = code[code.index("import time") :].rstrip("\n")
+    assert f"```python\n{body}\n```" in (ROOT / "README.md").read_text()

@@ -43,6 +43,8 @@ LAYERS: list[tuple[set[str], bool]] = [
     ({"wire", "cache", "router", "handoff"}, False),  # the sans-IO core (+ the handoff driver)
     ({"pdd"}, False),  # the PDD orchestration core over the router and the handoff (+ its driver)
     ({"transport"}, False),
+    ({"registry"}, False),  # the fleet registry: records and view (sans-IO), the etcd edge
+    ({"fleet"}, False),  # the fleet router core over the registry view, the cache, the router
     ({"bridge"}, False),
     ({"integrations"}, False),
     ({"testing"}, False),  # test helpers (mock stream, torch pack reference, engine caches)
@@ -57,7 +59,8 @@ BENCH_LAYERS: list[tuple[set[str], bool]] = [
 # IO-free parts: no sockets, no event loop, no threads.
 SANS_IO = ["wire", "cache", "router", "layout", "pack", "_pack", "handoff.messages", "handoff.relay",
            "handoff.main", "handoff.policy", "handoff.stream", "handoff.outputs",
-           "handoff.params", "pdd.core", "pdd.events", "pdd.budget"]  # fmt: skip
+           "handoff.params", "pdd.core", "pdd.events", "pdd.budget",
+           "registry.records", "registry.view", "fleet"]  # fmt: skip
 IO_MODULES = {"asyncio", "socket", "ssl", "uvloop", "selectors", "concurrent"}
 
 # transports stay independent: importing one never pulls in another's dependencies

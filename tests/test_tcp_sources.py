@@ -103,6 +103,7 @@ def test_a_second_live_sender_is_refused_at_open_and_the_first_ones_kv_lands() -
                     assert win == "a"
                 assert _digest(dst, dtable) == want[win], f"round {i}: pages are not {win}'s KV"
                 assert t.conflicts >= 1 and t.takeovers == 0
+            assert rx.stats["source_conflicts"] >= 20 and rx.stats["takeovers"] == 0
         finally:
             for s in tx.values():
                 await s.close()
@@ -140,6 +141,7 @@ def test_a_sender_killed_mid_transfer_is_taken_over_by_another_with_the_same_kv(
             st = await sb.wait(30)
             await h.wait(30)
             assert t.takeovers == 1 and t.conflicts == 0
+            assert rx.stats["takeovers"] == 1 and rx.stats["source_conflicts"] == 0
             assert st.bytes == t.total  # B's handle counts the transfer
             assert _digest(dst, dtable) == _digest(src, table)
             with pytest.raises(KVBridgeError):

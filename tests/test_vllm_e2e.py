@@ -255,6 +255,11 @@ def test_pdd_streams_equal_one_instance(cluster: VllmCluster, reference: dict[st
     assert 0 < stats["relay_share"] < 1
     # the main decode loaded each prompt's KV into its cache, pinned until the handoff
     assert all(r["main_load"].get("bytes", 0) > 0 for r in recs), recs
+    # the proxy's own series (kvbridge_proxy:*, GET /metrics)
+    n = len(PDD_PROMPTS)
+    assert metric_sum(cluster.url, "kvbridge_proxy:requests", pipeline="P-RLD-MD") >= n
+    assert metric_sum(cluster.url, "kvbridge_proxy:time_to_first_token_seconds_count") >= n
+    assert metric_sum(cluster.url, "kvbridge_proxy:generation_tokens", source="relay") > 0
     rld = cluster.engine_url("rld")
     if cluster.use_ucx:
         assert metric_sum(rld, "vllm:kvbridge_bytes_received") > 0

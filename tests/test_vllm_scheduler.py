@@ -245,3 +245,85 @@ def test_kv_both_serves_both_kinds_of_request() -> None:
     plan = s.build_connector_meta(Out({"s1": 40}))
     assert [p.req_id for p in plan.sends] == ["s1"]
     assert [p.req_id for p in plan.recvs] == ["r1"]
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+
+
+@dataclass
+class OutP:
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    preempted_req_ids: set[str] | None = None
+
+
+def test_a_pushing_prefill_is_held_to_one_token() -> None:
+    """The connector relies on the prefill ending with its first token (its
+    blocks are read while it ends); it enforces it rather than trusting the
+    proxy's max_tokens=1."""
+    s = _prefill()
+    r = Req("r1", 40, dict(P_PARAMS))
+    r.max_tokens = 50  # type: ignore[attr-defined]
+    r.sampling_params = Sampling(50)  # type: ignore[attr-defined]
+    s.get_num_new_matched_tokens(r, 0)
+    assert r.max_tokens == 1 and r.sampling_params.max_tokens == 1  # type: ignore[attr-defined]
+    plain = Req("r2", 40, None)
+    plain.max_tokens = 50  # type: ignore[attr-defined]
+    s.get_num_new_matched_tokens(plain, 0)
+    assert plain.max_tokens == 50  # type: ignore[attr-defined]
+
+
+def test_preemption_after_the_send_plan_cancels_and_frees_once() -> None:
+    s = _prefill()
+    r = Req("r1", 40, dict(P_PARAMS))
+    s.get_num_new_matched_tokens(r, 0)
+    assert len(s.build_connector_meta(OutP({"r1": 40})).sends) == 1
+    # async scheduling: the next step preempts it before its output came back
+    plan = s.build_connector_meta(OutP({}, preempted_req_ids={"r1", "other"}))
+    assert plan.preempted == ["r1"]
+    # recomputed, it is never planned again (the decode's receive was failed)
+    r.num_computed_tokens = 0
+    s.get_num_new_matched_tokens(r, 0)
+    assert s.build_connector_meta(OutP({"r1": 40})).sends == []
+    r.status = Status.FINISHED_LENGTH_CAPPED
+    hold, out = s.request_finished(r, [7, 8, 9])
+    assert hold is True and out is None  # no params: the transfer failed
+    plan = s.build_connector_meta(OutP({}))
+    assert plan.finished_sends["r1"].aborted is True
+
+
+def test_a_replayed_report_changes_nothing() -> None:
+    """vLLM 0.33 replays a failed worker's KV outputs at the next
+    aggregation: a finished_sending / finished_recving that comes again a
+    step late, or before request_finished, changes nothing."""
+    s = _prefill()
+    r = Req("r1", 40, dict(P_PARAMS))
+    s.get_num_new_matched_tokens(r, 0)
+    s.build_connector_meta(OutP({"r1": 40}))
+    s.update_connector_output(finished_sending=["r1"])  # stale: the request still runs
+    r.status = Status.FINISHED_LENGTH_CAPPED
+    assert s.request_finished(r, [7])[0] is True  # still held: its send may read the blocks
+    s.update_connector_output(finished_sending=["r1"])
+    assert s.pending_sends() == set()
+    s.update_connector_output(finished_sending=["r1"])  # the replay
+    assert s.pending_sends() == set()
+    d = _decode()
+    q = Req("q1", 40, {"do_remote_prefill": True, "transfer_id": "t1", "prefill": "prefill-0"})
+    assert d.get_num_new_matched_tokens(q, 0) == (40, True)
+    d.update_state_after_alloc(q, Blocks([1, 2]), 40)
+    assert len(d.build_connector_meta(OutP({})).recvs) == 1
+    d.update_connector_output(finished_recving=["q1"])
+    q.status = Status.FINISHED_STOPPED
+    assert d.request_finished(q, [1, 2]) == (False, _out(q))
+    d.update_connector_output(finished_recving=["q1"])  # replayed after the end
+    assert d.build_connector_meta(OutP({})).empty()
+
+
+def _out(q: Req) -> dict[str, Any]:
+    return {
+        "transfer_id": "t1",
+        "prefill": "prefill-0",
+        "kv": {"matched_tokens": 0},
+        "pinned": False,
+    }

@@ -50,7 +50,10 @@ class DecodeBridge:
     """What a relay decode or main decode embeds.
 
     ``tcp_listen=(host, port)`` accepts WAN (or local) TCP senders;
-    ``ucx=True`` registers the cache once for one-sided UCX puts.  A transport
+    ``ucx=True`` registers the cache once for one-sided UCX puts;
+    ``ucx_control=(host, port)`` also serves :meth:`ucx_metadata` there, so
+    that a prefill connected by that address reconnects by itself after this
+    process restarts (new metadata, same address).  A transport
     that was not configured, or is not available here, raises
     :class:`~kvbridge.errors.Unavailable` when asked for; there is no silent
     fallback.
@@ -75,6 +78,7 @@ class DecodeBridge:
         limits: ReceiverLimits | None = None,
         ucx: bool = False,
         ucx_options: dict[str, Any] | None = None,
+        ucx_control: tuple[str, int] | None = None,
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 20.0,
         metrics: BridgeMetrics | BridgeMetricsView | None = None,
@@ -111,6 +115,10 @@ class DecodeBridge:
             **(ucx_options or {}),
         }
         self._ucx: Any = None
+        # UCX: a TCP endpoint that serves ucx_metadata() to prefills, which
+        # fetch it again to reconnect after this process restarts
+        self._ucx_control_at = ucx_control
+        self._ucx_control: asyncio.Server | None = None
 
     async def start(self) -> DecodeBridge:
         if self._tcp is not None:
@@ -122,9 +130,20 @@ class DecodeBridge:
                 raise Unavailable(f"UCX transport requested: {_ucx.unavailable_reason()}")
             self._ucx = _ucx.UcxAgent(self.layout, self.cache, **self._ucx_options)
             self._ucx.start()
+            if self._ucx_control_at is not None:
+                from ..transport.ucx.control import serve_metadata
+
+                host, port = self._ucx_control_at
+                self._ucx_control = await serve_metadata(
+                    self._ucx, host, port, blob=self.ucx_metadata()
+                )
         return self
 
     async def close(self) -> None:
+        if self._ucx_control is not None:
+            self._ucx_control.close()
+            await self._ucx_control.wait_closed()
+            self._ucx_control = None
         if self._tcp is not None:
             await self._tcp.close()
         if self._ucx is not None:
@@ -142,6 +161,15 @@ class DecodeBridge:
         if self._tcp is None:
             raise Unavailable("this decode bridge has no TCP listener (tcp_listen=None)")
         return (self._tcp.host, self._tcp.port)
+
+    @property
+    def ucx_control_address(self) -> tuple[str, int]:
+        """Where this bridge serves its UCX metadata (``ucx_control``): a
+        prefill's ``PeerConfig("ucx", host, port)``."""
+        if self._ucx_control is None:
+            raise Unavailable("this decode bridge serves no UCX metadata (ucx_control=None)")
+        host, port = self._ucx_control.sockets[0].getsockname()[:2]
+        return (str(host), int(port))
 
     def ucx_metadata(self) -> bytes:
         """The opaque, versioned bytes a prefill passes to connect: the

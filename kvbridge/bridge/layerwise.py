@@ -170,11 +170,16 @@ class LayerwiseSend(SendGroup):
             t = self.tickets[name]
             lo, hi = self._ucx_sent[name], min(layer_end, t.layer_end)
             if hi > lo:
-                parts.append(
-                    self.bridge._ucx_delivery(
+                try:
+                    d = self.bridge._ucx_delivery(
                         name, self.request_id, self.block_table, t, (lo, hi), self.timeout
                     )
-                )
+                except KVBridgeError as exc:
+                    # refused to post (the receiver aborted the request, the peer
+                    # is gone): this destination ends with the error, no layer follows
+                    d = _failed(DeliveryStats(self.request_id, name, "ucx"), exc)
+                    hi = t.layer_end
+                parts.append(d)
                 self._ucx_sent[name] = hi
                 if hi == t.layer_end:
                     self._ucx_released[name].set()
@@ -234,6 +239,13 @@ class LayerwiseSend(SendGroup):
             if self._ucx_sent[name] < t.layer_end and self._ended is None:
                 raise InvalidArgument(f"{name}: layers from {self._ucx_sent[name]} never released")
         return await super().wait(timeout)
+
+
+def _failed(stats: DeliveryStats, exc: KVBridgeError) -> Delivery:
+    async def fail() -> None:
+        raise exc
+
+    return Delivery(stats, fail(), lambda: 0.0, lambda _reason: None)
 
 
 def _wake(src: LayerwiseSource) -> Callable[[Delivery], None]:

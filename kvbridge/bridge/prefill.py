@@ -9,6 +9,7 @@ ends with :class:`~kvbridge.errors.LeaseExpired`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl as _ssl
 import time
 from collections.abc import Callable, Mapping
@@ -19,8 +20,10 @@ from ..errors import (
     Cancelled,
     IncompatiblePeer,
     InvalidArgument,
+    KVBridgeError,
     LayoutError,
     LeaseExpired,
+    TransferTimeout,
     Unavailable,
 )
 from ..pack import PagedKVCache
@@ -39,11 +42,20 @@ __all__ = ["LayerwiseSend", "PeerConfig", "PrefillBridge"]
 @dataclass(frozen=True)
 class PeerConfig:
     """How to reach one destination.  ``transport`` is chosen per destination
-    by configuration: "ucx" inside the datacenter, "tcp" across the WAN."""
+    by configuration: "ucx" inside the datacenter, "tcp" across the WAN.
+
+    A UCX destination is given by its ``metadata``, or by ``host`` and
+    ``port`` of the endpoint where the decode serves it
+    (``DecodeBridge(ucx_control=...)``).  With the address, a destination
+    whose peer is gone (its endpoint failed, it stopped answering, or a
+    ticket names a new incarnation of it) is reconnected on the next send to
+    it, with the metadata fetched again: a restarted decode needs no restart
+    of the prefill.  TCP destinations reconnect by themselves (the sender's
+    connections are re-opened as long as transfers need them)."""
 
     transport: str
     host: str = ""
-    port: int = 0
+    port: int = 0  # UCX: the decode's metadata endpoint (DecodeBridge(ucx_control=...))
     metadata: bytes = b""  # UCX: the decode's registration blob
     streams: int = DEFAULT_STREAMS
     chunk_size: int | None = None  # None: fitted to the link (TcpSender), at most 4 MiB
@@ -94,6 +106,8 @@ class PrefillBridge:
         self._own_ucx = ucx_agent is None
         self._tcp: dict[str, TcpSender] = {}
         self._ucx_peers: dict[str, Any] = {}
+        self._ucx_cfg: dict[str, PeerConfig] = {}
+        self._ucx_healing: dict[str, asyncio.Future[Any]] = {}
         self._live: dict[str, SendGroup] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
 
@@ -127,15 +141,52 @@ class PrefillBridge:
                 raise
             self._tcp[name] = s
         elif peer.transport == "ucx":
-            theirs, blob = unwrap_ucx_metadata(peer.metadata)
-            if theirs is not None:
-                check_peer(name, theirs, self.description)
-            agent = self._ensure_ucx()
-            self._ucx_peers[name] = await agent.connect(
-                blob, timeout=peer.connect_timeout, psk=peer.psk
-            )
+            if not peer.metadata and not peer.port:
+                raise InvalidArgument(
+                    f"{name}: a UCX destination needs its metadata or the host and port "
+                    "where it serves it"
+                )
+            self._ucx_peers[name] = await self._connect_ucx(name, peer)
+            self._ucx_cfg[name] = peer
         else:
             raise InvalidArgument(f"unknown transport {peer.transport!r} (use 'tcp' or 'ucx')")
+
+    async def _connect_ucx(self, name: str, peer: PeerConfig, fetch: bool = False) -> Any:
+        raw = peer.metadata
+        if fetch or not raw:
+            from ..transport.ucx.control import fetch_metadata
+
+            raw = await fetch_metadata(peer.host, peer.port, peer.connect_timeout)
+        theirs, blob = unwrap_ucx_metadata(raw)
+        if theirs is not None:
+            check_peer(name, theirs, self.description)
+        agent = self._ensure_ucx()
+        return await agent.connect(blob, timeout=peer.connect_timeout, psk=peer.psk)
+
+    def _healable(self, name: str) -> bool:
+        """A UCX destination that can be reconnected by its metadata endpoint."""
+        cfg = self._ucx_cfg.get(name)
+        return cfg is not None and cfg.port != 0
+
+    def _heal_ucx(self, name: str) -> asyncio.Future[Any]:
+        """Reconnect ``name`` (once for all the sends that ask meanwhile):
+        its metadata fetched again, then a new HELLO; the dead peer is
+        replaced."""
+        f = self._ucx_healing.get(name)
+        if f is None or f.done():
+
+            async def heal() -> Any:
+                p = await self._connect_ucx(name, self._ucx_cfg[name], fetch=True)
+                old = self._ucx_peers.get(name)
+                if old is not None and old is not p and old.error is None:
+                    await old.close()  # a live peer of an older incarnation
+                self._ucx_peers[name] = p
+                return p
+
+            f = asyncio.ensure_future(heal())
+            f.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._ucx_healing[name] = f
+        return f
 
     def _ensure_ucx(self) -> Any:
         if self._ucx is None:
@@ -178,6 +229,10 @@ class PrefillBridge:
         for s in self._tcp.values():
             await s.close()
         self._tcp.clear()
+        for f in self._ucx_healing.values():
+            f.cancel()
+        await asyncio.gather(*self._ucx_healing.values(), return_exceptions=True)
+        self._ucx_healing.clear()
         for p in self._ucx_peers.values():
             await p.close()
         self._ucx_peers.clear()
@@ -211,7 +266,8 @@ class PrefillBridge:
                 f"{name}: ticket is for {t.transport.name} but the destination uses {want.name}"
             )
         peer = self._ucx_peers.get(name)
-        if peer is not None and peer.agent_id != t.agent_id:
+        if peer is not None and peer.agent_id != t.agent_id and not self._healable(name):
+            # (a destination that can be reconnected checks the agent once reconnected)
             raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
         self.send_heads(name, t)
         return t
@@ -279,14 +335,27 @@ class PrefillBridge:
                     out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
                 else:
                     out[name] = self._ucx_delivery(name, rid, block_table, t, None, timeout)
-        except BaseException:
+        except BaseException as exc:
             self.leases.release(rid)
             for d in out.values():
                 d.cancel("the send failed to start")
+            if isinstance(exc, KVBridgeError):
+                self._refused(rid, [n for n in checked if n not in out], exc)
             raise
         group = MultiSend(rid, out)
         self._track(group)
         return group
+
+    def _refused(self, rid: str, names: list[str], exc: KVBridgeError) -> None:
+        """A send that failed to post: its UCX receivers are told (an ABORT
+        with the error's code), so their expectations fail now rather than at
+        their deadlines.  (A TCP receiver has nothing open for it yet; its
+        engine cancels the expectation when the prefill reports the error.)"""
+        for name in names:
+            peer = self._ucx_peers.get(name)
+            if peer is not None and peer.error is None:
+                with contextlib.suppress(KVBridgeError):
+                    peer.abort(rid, exc)
 
     def send_layerwise(
         self,
@@ -406,16 +475,8 @@ class PrefillBridge:
         timeout: float | None,
     ) -> Delivery:
         peer = self._ucx_peers[name]
-        h = peer.send(
-            rid,
-            block_table,
-            list(t.block_table),
-            t.start,
-            t.end,
-            layers or (t.layer_start, t.layer_end),
-            timeout=timeout,
-            heads=self.send_heads(name, t),
-        )
+        heads = self.send_heads(name, t)
+        lr = layers or (t.layer_start, t.layer_end)
         stats = DeliveryStats(rid, name, "ucx")
 
         def finish(res: Any, st: DeliveryStats) -> None:
@@ -423,7 +484,48 @@ class PrefillBridge:
             st.wire_bytes = st.bytes
             st.path = "ucx-" + str(getattr(res, "path", "") or "put")
 
-        return Delivery(stats, h.wait(), lambda: 1.0 if h.done() else 0.0, h.cancel, finish)
+        def post(p: Any, seconds: float | None) -> Any:
+            return p.send(
+                rid, block_table, list(t.block_table), t.start, t.end, lr,
+                timeout=seconds, heads=heads,
+            )  # fmt: skip
+
+        stale = peer.error is not None or peer.agent_id != t.agent_id
+        if not (stale and self._healable(name)):
+            h = post(peer, timeout)
+            return Delivery(stats, h.wait(), lambda: 1.0 if h.done() else 0.0, h.cancel, finish)
+        # the peer is gone (or the ticket names its next incarnation): reconnect, then send
+        loop = asyncio.get_running_loop()
+        stop: asyncio.Future[str] = loop.create_future()
+        box: list[Any] = []
+        t0 = loop.time()
+
+        async def healed() -> Any:
+            heal = self._heal_ucx(name)
+            done, _ = await asyncio.wait(
+                {heal, stop}, timeout=timeout, return_when="FIRST_COMPLETED"
+            )
+            if stop in done:
+                raise Cancelled(stop.result())
+            if heal not in done:
+                raise TransferTimeout(f"{name}: {rid!r}: no reconnection within {timeout} s")
+            p = heal.result()  # its typed error when the reconnection failed
+            if p.agent_id != t.agent_id:
+                raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
+            left = None if timeout is None else max(0.0, timeout - (loop.time() - t0))
+            h = post(p, left)
+            box.append(h)
+            return await h.wait()
+
+        def cancel(reason: str) -> None:
+            if box:
+                box[0].cancel(reason)
+            elif not stop.done():
+                stop.set_result(reason)
+
+        return Delivery(
+            stats, healed(), lambda: 1.0 if box and box[0].done() else 0.0, cancel, finish
+        )
 
 
 def _view(

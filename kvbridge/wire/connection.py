@@ -284,8 +284,12 @@ class TxConnection(Generic[T]):
     def open(self, transfer: T) -> int:
         """A fresh id for ``transfer`` on this connection, which names it from now on."""
         tid = self.new_tid()
-        self.transfers[tid] = transfer
+        self.bind(tid, transfer)
         return tid
+
+    def bind(self, transfer_id: int, transfer: T) -> None:
+        """``transfer_id`` (from :meth:`new_tid`, its OPEN sent) names ``transfer``."""
+        self.transfers[transfer_id] = transfer
 
     def forget(self, transfer_id: int) -> None:
         self.transfers.pop(transfer_id, None)

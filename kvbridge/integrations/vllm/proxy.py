@@ -2,7 +2,7 @@
 
 An OpenAI-compatible front (``POST /v1/completions``, ``POST
 /v1/chat/completions``, streaming or not; ``GET /v1/models``, ``/health``,
-``/stats``) over one prefill, one main decode and, optionally, one relay
+``/stats``, ``/metrics``) over one prefill, one main decode and, optionally, one relay
 decode.  Per request it asks kvbridge's router for a pipeline:
 
 - **P-MD**: the main decode gets the request with ``do_remote_prefill`` and
@@ -47,7 +47,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ from .handoff import (
     StopRelay,
 )
 from .prefix_estimate import PrefixEstimate
+from .proxy_stats import CONTENT_TYPE_LATEST, ProxyStats
 
 __all__ = ["Backend", "DisaggProxy", "ProxyConfig", "main"]
 
@@ -152,6 +153,7 @@ class ProxyConfig:
     await_tickets_s: float = 2.0  # the prefill waits this long for tickets before prefill
     timeout_s: float = 120.0  # every backend call ends within this
     use_prefix_estimate: bool = True  # off: the router assumes an empty decode cache
+    stats_window: int = 1024  # GET /stats keeps the last this many request records
 
 
 @dataclass
@@ -257,7 +259,7 @@ class DisaggProxy:
         )
         self._rids = itertools.count(1)
         self.estimate = PrefixEstimate(cfg.md_block_tokens)
-        self.records: list[RequestRecord] = []
+        self.stats = ProxyStats(cfg.stats_window)
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self.app = web.Application()
@@ -268,6 +270,7 @@ class DisaggProxy:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/stats", self._stats),
+                web.get("/metrics", self._metrics),
                 web.post("/stats/reset", self._stats_reset),
             ]
         )
@@ -298,24 +301,26 @@ class DisaggProxy:
         async with self.session.get(f"{self.cfg.main.url}/v1/models") as r:
             return web.json_response(await r.json(), status=r.status)
 
+    @property
+    def records(self) -> list[RequestRecord]:
+        """The last ``stats_window`` finished requests."""
+        return list(self.stats.window)
+
     async def _stats(self, _req: web.Request) -> web.Response:
-        relay = sum(r.relay_tokens for r in self.records)
-        total = relay + sum(r.main_tokens for r in self.records)
-        return web.json_response(
-            {
-                "requests": [asdict(r) for r in self.records],
-                "relay_tokens": relay,
-                "main_tokens": total - relay,
-                "relay_share": relay / total if total else 0.0,
-                "pipelines": {p.value: n for p, n in self.router.counts.items()},
-            }
-        )
+        out = self.stats.summary()
+        out["pipelines"] = {p.value: n for p, n in self.router.counts.items()}
+        return web.json_response(out)
+
+    async def _metrics(self, _req: web.Request) -> web.Response:
+        """Prometheus text: the kvbridge_proxy:* series (proxy_stats.py)."""
+        body = self.stats.exposition()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _stats_reset(self, req: web.Request) -> web.Response:
         """Forget the records and, with ``{"prefix_estimate": true}``, the
         estimate of the main decode's cache (after the decode was reset)."""
         body = await req.json() if req.can_read_body else {}
-        self.records.clear()
+        self.stats.reset()
         if body.get("prefix_estimate"):
             self.estimate.clear()
         return web.json_response({})
@@ -674,7 +679,7 @@ class DisaggProxy:
         rid = next(self._rids)
         pipeline, reason, matched = self._route(g, rid)
         rec = RequestRecord(tid, pipeline.value, reason, len(g.prompt_ids), matched, user=g.user)
-        self.records.append(rec)
+        self.stats.started(rec.pipeline)
         t0 = time.perf_counter()
         out_ids: list[int] = []
         try:
@@ -698,6 +703,7 @@ class DisaggProxy:
         finally:
             self.core.handle(Finish(rid, time.monotonic()))  # off the WAN's queue
             rec.total_s = time.perf_counter() - t0
+            self.stats.finished(rec)
             if rec.error is None:
                 self.estimate.add(g.prompt_ids + out_ids)
 
@@ -831,6 +837,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--await-tickets-s", type=float, default=2.0)
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--no-prefix-estimate", action="store_true")
+    p.add_argument(
+        "--stats-window", type=int, default=1024, help="request records kept for GET /stats"
+    )
     return p
 
 
@@ -858,6 +867,7 @@ def main(argv: list[str] | None = None) -> int:
         await_tickets_s=a.await_tickets_s,
         timeout_s=a.timeout_s,
         use_prefix_estimate=not a.no_prefix_estimate,
+        stats_window=a.stats_window,
     )
     proxy = DisaggProxy(cfg)
     web.run_app(proxy.app, host=a.host, port=a.port, print=lambda *x: print(*x, flush=True))

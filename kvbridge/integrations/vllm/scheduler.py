@@ -312,6 +312,10 @@ class ConnectorScheduler:
         return False, decode_output(rec.params, kv, pinned=False)
 
     # ---- introspection -------------------------------------------------------------
+    def pending_sends(self) -> set[str]:
+        """Prefill requests whose blocks the connector still accounts for."""
+        return set(self._sends)
+
     @property
     def pinned(self) -> dict[str, str]:
         """transfer id -> pinned request id."""

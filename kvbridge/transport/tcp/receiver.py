@@ -161,6 +161,8 @@ class TcpReceiver:
             "handshake_failures": 0,
             "handshakes_refused": 0,
             "unknown_tokens": 0,
+            "source_conflicts": 0,  # OPENs refused: another sender is the live source (5.1)
+            "takeovers": 0,  # OPENs that took over a transfer whose source was gone
         }
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -412,7 +414,10 @@ class TcpReceiver:
     def _on_open(self, conn: FrameConnection, st: _ConnState, t: _Rx, m: Open) -> None:
         # the sender: its authenticated identity and the OPEN's source id (5.1)
         source = (st.peer.identity, m.source or None)
+        seen = t.conflicts, t.takeovers
         outs = t.on_open(conn, m, st.ranged, self._now(), source)
+        self.stats["source_conflicts"] += t.conflicts - seen[0]
+        self.stats["takeovers"] += t.takeovers - seen[1]
         att = t.attached.get(conn)
         if att is not None and att.transfer_id == m.transfer_id:
             # a late OPEN of a finished one learns the outcome and lingers here too

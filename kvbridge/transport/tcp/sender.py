@@ -509,7 +509,7 @@ class TcpSender:
         tid = link.rules.new_tid()
         link.conn.send(t.open_message(tid, self._links.peer_caps & CODEC_CAPABILITIES))
         t.attach(link, tid)
-        link.rules.transfers[tid] = t
+        link.rules.bind(tid, t)
         t.tids.append((link, tid))
         return tid
 

@@ -807,7 +807,7 @@ class UcxAgent:
             self._staging.on_message(peer, m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
-            peer._fail_sends(exc, m.rid)
+            peer._receiver_aborted(m.rid, exc)
             try:
                 named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
             except KVBridgeError:

@@ -21,11 +21,17 @@ __all__ = ["connect_via_tcp", "fetch_metadata", "serve_metadata"]
 _LEN = struct.Struct("<I")
 
 
-async def serve_metadata(agent: UcxAgent, host: str = "127.0.0.1", port: int = 0) -> asyncio.Server:
-    """Serve ``agent.metadata()`` to whoever connects; returns the server
-    (``server.sockets[0].getsockname()[1]`` is the port when ``port=0``)."""
+async def serve_metadata(
+    agent: UcxAgent, host: str = "127.0.0.1", port: int = 0, *, blob: bytes | None = None
+) -> asyncio.Server:
+    """Serve ``agent.metadata()`` (or ``blob``: what wraps it, e.g. a decode
+    bridge's metadata) to whoever connects; returns the server
+    (``server.sockets[0].getsockname()[1]`` is the port when ``port=0``).
+    A peer that restarts serves its new metadata on the same port: a sender
+    fetches it again to reconnect."""
     agent.start()
-    blob = agent.metadata()
+    if blob is None:
+        blob = bytes(agent.metadata())
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -122,6 +122,8 @@ class Hellos:
         except KVBridgeError:
             a._forget(peer)
             raise
+        if peer.error is not None:  # dropped meanwhile (silent too long, or its endpoint failed)
+            raise peer.error
         a._bind(peer, ack.tag, ack.identity, key is not None)
         return peer
 

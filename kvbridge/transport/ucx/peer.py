@@ -25,6 +25,9 @@ __all__ = ["PreparedSend", "UcxPeer"]
 _completed_send = TransferHandle.completed_send
 
 
+MAX_ABORTED = 4096  # requests a peer aborted that a peer remembers, to refuse their sends
+
+
 class UcxPeer:
     """A connected remote agent.  Create with :meth:`UcxAgent.connect`."""
 
@@ -49,6 +52,9 @@ class UcxPeer:
         self.identity = ""  # the identity it named in the HELLO exchange
         self.authenticated = False  # its proof verified against our pre-shared key
         self._early_parts = 0  # its parts kept until their expect
+        # requests it aborted (its expectation failed or was cancelled): a later
+        # send of one would write into pages the receiver may have freed
+        self._aborted: dict[str, KVBridgeError] = {}
 
     @property
     def layout(self) -> KVLayout:
@@ -90,6 +96,8 @@ class UcxPeer:
         host._check_open()
         lay = host.layout
         rid = request_id if type(request_id) is str else str(request_id)
+        if rid in self._aborted:
+            raise self._aborted[rid]
         l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
         if heads is None:
             whole, hr = True, None
@@ -236,6 +244,14 @@ class UcxPeer:
             if h.task is not None:
                 h.task.cancel()
             self._sends.pop(id(h), None)
+
+    def _receiver_aborted(self, rid: str, exc: KVBridgeError) -> None:
+        """The peer aborted ``rid``: fail our sends of it, and refuse later
+        ones (the last ``MAX_ABORTED`` requests are remembered)."""
+        self._fail_sends(exc, rid)
+        self._aborted[rid] = exc
+        while len(self._aborted) > MAX_ABORTED:
+            del self._aborted[next(iter(self._aborted))]
 
     def _gone(self, exc: KVBridgeError) -> None:
         """The peer is gone (or closed): remember why and fail our sends."""

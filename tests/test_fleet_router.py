@@ -1,0 +1,191 @@
+"""The fleet router core: prefix-aware main decodes bounded by load, session
+affinity, prefill by queued work, the pipeline from kvbridge.router, ejection
+and re-admission, re-routing of requests in flight on a dead engine; and a
+short churn on a real etcd in which no request is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from etcd_server import EtcdServer
+
+from kvbridge.errors import Unavailable
+from kvbridge.fleet import FleetConfig, FleetRouter
+from kvbridge.layout import KVLayout
+from kvbridge.registry import (
+    EngineRecord,
+    LoadReport,
+    RegistryView,
+    Role,
+    ViewChange,
+    new_generation,
+)
+from kvbridge.registry.etcd import EtcdOptions, EtcdRegistration, EtcdWatcher
+from kvbridge.router import Pipeline, Router, RouterConfig
+
+PT = 16
+
+
+def rec(eid: str, role: Role, queued: int = 0, gen: str | None = None) -> EngineRecord:
+    return EngineRecord(
+        engine_id=eid, role=role, datacenter="dc", model="m", compat_hash=1,
+        generation=gen or new_generation(), endpoints={"tcp": "127.0.0.1:1"},
+        load=LoadReport(queued_tokens=queued),
+    )  # fmt: skip
+
+
+def fleet(n_p: int = 2, n_r: int = 1, n_m: int = 3, **cfg: float) -> FleetRouter:
+    fr = FleetRouter(Router(_layout()), FleetConfig(page_tokens=PT, **cfg))  # type: ignore[arg-type]
+    for i in range(n_p):
+        fr.apply(ViewChange(f"p{i}", rec(f"p{i}", Role.PREFILL), None))
+    for i in range(n_r):
+        fr.apply(ViewChange(f"r{i}", rec(f"r{i}", Role.RELAY), None))
+    for i in range(n_m):
+        fr.apply(ViewChange(f"m{i}", rec(f"m{i}", Role.MAIN), None))
+    return fr
+
+
+def _layout() -> KVLayout:
+    return KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, page_tokens=PT)
+
+
+def test_longest_prefix_wins_and_sessions_stick() -> None:
+    fr = fleet()
+    a = list(range(64))
+    first = fr.route("r1", a, 10)
+    fr.finish("r1")
+    # a request extending a's prefix goes where a went
+    assert fr.route("r2", a + [7] * 32, 10).main == first.main
+    fr.finish("r2")
+    s = fr.route("s1", list(range(1000, 1032)), 5, session="agent")
+    fr.finish("s1")
+    assert fr.route("s2", list(range(5000, 5032)), 5, session="agent").main == s.main
+
+
+def test_load_bound_spreads_one_hot_prefix() -> None:
+    fr = fleet(n_m=4, load_factor=1.5)
+    hot = list(range(48))
+    mains = [fr.route(f"q{i}", hot, 10).main for i in range(40)]
+    counts = {m: mains.count(m) for m in set(mains)}
+    assert len(counts) == 4 and max(counts.values()) <= 1.5 * 40 / 4 + 1
+
+
+def test_prefill_by_queued_work() -> None:
+    fr = fleet(n_p=0)
+    fr.apply(ViewChange("busy", rec("busy", Role.PREFILL, queued=100000), None))
+    fr.apply(ViewChange("idle", rec("idle", Role.PREFILL, queued=0), None))
+    assert fr.route("x", list(range(32)), 1).prefill == "idle"
+
+
+def test_pipeline_is_the_routers() -> None:
+    layout = _layout()
+    fr = FleetRouter(Router(layout, RouterConfig(ttft_target_s=1e-9)), FleetConfig(page_tokens=PT))
+    for eid, role in (("p", Role.PREFILL), ("r", Role.RELAY), ("m", Role.MAIN)):
+        fr.apply(ViewChange(eid, rec(eid, role), None))
+    route = fr.route("x", list(range(4096)), 2000)
+    assert route.decision.pipeline is Pipeline.P_RLD_MD and route.relay == "r"
+    fr2 = fleet()
+    assert fr2.route("y", list(range(32)), 1).relay is None
+
+
+def test_ejection_and_readmission() -> None:
+    fr = fleet(n_m=2, max_failures=2)
+    for i in range(2):
+        r = fr.route(f"f{i}", list(range(i * 100, i * 100 + 32)), 1, session="s")
+        fr.finish(f"f{i}", failed_on=r.main)
+    bad = r.main
+    assert bad not in fr.eligible(Role.MAIN)
+    assert all(fr.route(f"g{i}", [i] * 32, 1).main != bad for i in range(5))
+    # registers again (new generation): taken back
+    fr.apply(ViewChange(bad, rec(bad, Role.MAIN), fr._engines[bad].record))
+    assert bad in fr.eligible(Role.MAIN)
+
+
+def test_reroute_on_death() -> None:
+    fr = fleet(n_p=2, n_m=2)
+    r = fr.route("x", list(range(64)), 1)
+    (rr,) = fr.apply(ViewChange(r.main, None, None))
+    assert rr.stage == "main" and rr.engine != r.main and rr.engine.startswith("m")
+    (rp,) = fr.apply(ViewChange(r.prefill, None, None))
+    assert rp.stage == "prefill" and rp.engine != r.prefill
+    # the last main decode gone: nothing to route to, a typed error
+    fr.apply(ViewChange(rr.engine, None, None))
+    with pytest.raises(Unavailable):
+        fr.route("y", [1] * 16, 1)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    srv = EtcdServer(tmp_path / "etcd")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_churn_loses_no_request(etcd: EtcdServer) -> None:
+    """Engines join and leave (every 0.3 s for 4 s) while requests are routed;
+    every request completes, on a re-route when its engine leaves."""
+
+    async def go() -> None:
+        opts = EtcdOptions(port=etcd.port, retry_s=0.1)
+        fr = FleetRouter(Router(_layout()), FleetConfig(page_tokens=PT))
+        pending: list = []
+        view = RegistryView(on_change=lambda ch: pending.extend(fr.apply(ch)))
+        watcher = EtcdWatcher(view, opts)
+        await watcher.start()
+        regs: dict[str, EtcdRegistration] = {}
+
+        async def join(eid: str, role: Role) -> None:
+            reg = EtcdRegistration(rec(eid, role), opts, ttl_s=2)
+            await reg.start()
+            regs[eid] = reg
+
+        for i in range(4):
+            await join(f"p{i}", Role.PREFILL)
+            await join(f"m{i}", Role.MAIN)
+        while len(view) < 8:
+            await asyncio.sleep(0.05)
+        rng = random.Random(5)
+        done: set[str] = set()
+        routed: dict[str, object] = {}
+        n = 0
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 4.0
+        next_churn = loop.time()
+        while loop.time() < end:
+            if loop.time() >= next_churn:
+                next_churn += 0.3
+                role = rng.choice([Role.PREFILL, Role.MAIN])
+                mine = sorted(e for e in regs if regs[e].record.role is role)
+                if len(mine) > 2 and rng.random() < 0.5:
+                    victim = rng.choice(mine)
+                    await regs.pop(victim).close()
+                else:
+                    await join(f"{role.value[0]}x{n}", role)
+            rid = f"q{n}"
+            n += 1
+            routed[rid] = fr.route(rid, [rng.randrange(100)] * 32, 4)
+            # the oldest in-flight request completes
+            if len(routed) - len(done) > 8:
+                old = next(r for r in routed if r not in done)
+                # not lost: its engines are live ones (re-routed if one left)
+                now = fr._inflight[old]
+                assert view.get(now.prefill) is not None and view.get(now.main) is not None
+                fr.finish(old)
+                done.add(old)
+            await asyncio.sleep(0.01)
+        for rid in routed:
+            if rid not in done:
+                fr.finish(rid)
+                done.add(rid)
+        assert done == set(routed) and fr.inflight == 0
+        assert n > 50
+        for reg in regs.values():
+            await reg.close()
+        await watcher.close()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
