@@ -13,7 +13,9 @@ __version__ = "0.1.0"
 
 # the bridges import the transports (asyncio, uvloop, the C++ core): loaded on
 # first use, so that ``import kvbridge`` stays light
-_BRIDGE = ("DecodeBridge", "PrefillBridge", "PeerConfig", "SyncBridge", "Ticket")
+_BRIDGE = ("BridgeOptions", "DecodeBridge", "PrefillBridge", "PeerConfig", "SyncBridge", "Ticket")
+# the engine's cache description (torch, the C++ core): loaded on first use too
+_PACK = ("PagedKVCache",)
 
 
 def __getattr__(name: str) -> Any:
@@ -21,16 +23,22 @@ def __getattr__(name: str) -> Any:
         from . import bridge
 
         return getattr(bridge, name)
+    if name in _PACK:
+        from . import pack
+
+        return getattr(pack, name)
     raise AttributeError(f"module 'kvbridge' has no attribute {name!r}")
 
 
 __all__ = [
+    "BridgeOptions",
     "DType",
     "DecodeBridge",
     "HeadOrder",
     "KVBridgeError",
     "KVLayout",
     "MemoryOrder",
+    "PagedKVCache",
     "PeerConfig",
     "PrefillBridge",
     "SyncBridge",

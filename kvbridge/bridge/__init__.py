@@ -20,6 +20,7 @@ from .events import BridgeEvents, TransferDone, TransferFailed
 from .handles import Delivery, DeliveryStats, MultiSend, SendGroup
 from .leases import Lease, LeaseTable
 from .metrics import BridgeMetrics
+from .options import BridgeOptions
 from .prefill import LayerwiseSend, PeerConfig, PrefillBridge
 from .sync import SyncBridge
 from .ticket import Ticket, TicketTransport
@@ -27,6 +28,7 @@ from .ticket import Ticket, TicketTransport
 __all__ = [
     "BridgeEvents",
     "BridgeMetrics",
+    "BridgeOptions",
     "DecodeBridge",
     "Delivery",
     "DeliveryStats",

@@ -45,6 +45,7 @@ from .identity import check_model_id
 from .leases import DEFAULT_LEASE, check_lease_seconds
 from .loop import LoopThread
 from .metrics import BridgeMetrics
+from .options import BridgeOptions
 from .prefill import LayerwiseSend, PeerConfig, PrefillBridge
 from .ticket import Ticket
 
@@ -80,9 +81,14 @@ class SyncBridge:
     handshake; ``model_id`` the model it serves (a name or a digest of the
     weights: peers serving another model are refused).  ``tcp_listen=(host,
     port)`` also makes it a TCP receiver (``psk``, ``ssl``,
-    ``allowed_identities``, ``limits`` as for :class:`DecodeBridge`);
-    ``ucx=True`` registers the cache for UCX (sending and receiving share
-    the one agent).  ``lease_timeout`` is the default lease of a send's
+    ``allowed_identities``, ``tls_identity``, ``limits``,
+    ``keepalive_interval``, ``keepalive_timeout`` as for
+    :class:`DecodeBridge`); ``ucx=True`` registers the cache for UCX
+    (sending and receiving share the one agent; ``ucx_control=(host, port)``
+    serves its metadata there), or ``ucx_agent`` sends with a started agent
+    of the caller's.  Every option is one of
+    :class:`~kvbridge.bridge.options.BridgeOptions`, with the same default
+    as in the async bridges.  ``lease_timeout`` is the default lease of a send's
     pages, ``call_timeout`` the bound on every blocking call, ``metrics`` a
     :class:`~kvbridge.bridge.metrics.BridgeMetrics` (None: a private one,
     as ``.metrics``).  ``clock`` is the lease clock (tests pass a fake one
@@ -108,6 +114,9 @@ class SyncBridge:
         keepalive_interval: float = 5.0,
         keepalive_timeout: float = 20.0,
         clock: Callable[[], float] = time.monotonic,
+        tls_identity: str = "cn_or_san",
+        ucx_agent: Any = None,
+        ucx_control: tuple[str, int] | None = None,
     ) -> None:
         if not hasattr(cache, "layout"):
             raise InvalidArgument(f"cache must be a kvbridge.pack.PagedKVCache, not {cache!r}")
@@ -119,17 +128,31 @@ class SyncBridge:
         self.call_timeout = float(call_timeout)
         self.lease_timeout = float(lease_timeout)
         self.metrics = metrics if metrics is not None else BridgeMetrics()
-        self._cfg: dict[str, Any] = dict(
+        if ucx and ucx_agent is not None:
+            raise InvalidArgument(
+                "ucx=True makes the bridge's own UCX agent; pass ucx=True or ucx_agent, not both"
+            )
+        self._ucx = bool(ucx)
+        self._ucx_options = dict(ucx_options or {})
+        # the one set of options both async bridges are built from
+        self._options = BridgeOptions(
+            identity=identity,
+            model_id=self.model_id,
             tcp_listen=tcp_listen,
             psk=psk,
             ssl=ssl,
             allowed_identities=allowed_identities,
+            tls_identity=tls_identity,
             limits=limits,
+            ucx=self._ucx,
+            ucx_options=self._ucx_options,
+            ucx_agent=ucx_agent,
+            ucx_control=ucx_control,
             keepalive_interval=keepalive_interval,
             keepalive_timeout=keepalive_timeout,
+            lease_timeout=self.lease_timeout,
+            clock=clock,
         )
-        self._ucx = bool(ucx)
-        self._ucx_options = dict(ucx_options or {})
         self._clock = clock
         self._lock = threading.Lock()
         self._start_lock = threading.Lock()
@@ -175,38 +198,18 @@ class SyncBridge:
 
     async def _astart(self) -> None:
         view = self.metrics.for_bridge(self.identity, self.model_id)
-        cfg = self._cfg
-        if cfg["tcp_listen"] is not None or self._ucx:
-            self._decode = DecodeBridge(
-                self.cache,
-                identity=self.identity,
-                model_id=self.model_id,
-                tcp_listen=cfg["tcp_listen"],
-                psk=cfg["psk"],
-                ssl=cfg["ssl"],
-                allowed_identities=cfg["allowed_identities"],
-                limits=cfg["limits"],
-                ucx=self._ucx,
-                ucx_options=self._ucx_options,
-                keepalive_interval=cfg["keepalive_interval"],
-                keepalive_timeout=cfg["keepalive_timeout"],
-                metrics=view,
-            )
+        opts = self._options
+        if opts.tcp_listen is not None or self._ucx:
+            self._decode = DecodeBridge(self.cache, **opts.kwargs_for(DecodeBridge, metrics=view))
             try:
                 await self._decode.start()
             except OSError as e:  # the address is taken, or not ours
-                raise Unavailable(f"cannot listen on {cfg['tcp_listen']}: {e}") from e
-            if cfg["tcp_listen"] is not None:
+                raise Unavailable(f"cannot listen on {opts.tcp_listen}: {e}") from e
+            if opts.tcp_listen is not None:
                 self._tcp_port = int(self._decode.tcp_address[1])
+        agent = self._decode.ucx_agent if self._ucx and self._decode else opts.ucx_agent
         self._prefill = PrefillBridge(
-            self.cache,
-            identity=self.identity,
-            model_id=self.model_id,
-            ucx_options=self._ucx_options,
-            ucx_agent=self._decode.ucx_agent if self._ucx and self._decode else None,
-            lease_timeout=self.lease_timeout,
-            clock=self._clock,
-            metrics=view,
+            self.cache, **opts.kwargs_for(PrefillBridge, ucx_agent=agent, metrics=view)
         )
         for ft in list(self._control):
             self._install_control(ft)

@@ -1,7 +1,8 @@
 """The shape every transfer handle shares: awaitable, ``progress``, ``done``,
 ``cancel``, ``wait(timeout)``; resolved once by its transport.  And the typed
-statistics both transports report: :class:`TransferStats` and its two
-directions, :class:`SendStats` and :class:`ReceiveStats`."""
+statistics both transports report: one family rooted in :class:`TransferStats`
+-- TCP's two directions, :class:`SendStats` and :class:`ReceiveStats`, and
+UCX's :class:`UcxStats` (both directions of one one-sided transfer)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ __all__ = [
     "SendStats",
     "TransferHandleBase",
     "TransferStats",
+    "UcxStats",
     "transfer_timeout",
 ]
 
@@ -84,6 +86,40 @@ class ReceiveStats(TransferStats):
     duplicates: int = 0
     bad_chunks: int = 0
     placed: int = 0
+
+
+@dataclass
+class UcxStats(TransferStats):
+    """What one UCX send or receive did: ``request_id``, ``direction``
+    (``"send"`` or ``"recv"``), ``path`` (``"put"``: zero-copy, or
+    ``"staging"``: pack, put, unpack), ``runs`` (one-sided puts posted, after
+    coalescing), ``retries`` (always 0: UCX retransmits below kvbridge),
+    ``layers_done`` (receiver: layers of the expected range that landed),
+    ``started`` / ``finished`` (``time.monotonic()``).  ``bytes`` counts the KV
+    bytes moved (put payload, or wire bytes when staged); ``wire_bytes`` equals
+    it (UCX sends them uncompressed) and ``seconds`` is ``finished - started``,
+    both set when the transfer resolves."""
+
+    request_id: str = ""
+    direction: str = ""
+    path: str = ""
+    runs: int = 0
+    retries: int = 0
+    layers_done: int = 0
+    started: float = 0.0
+    finished: float = 0.0
+
+    def close(self, now: float) -> None:
+        """The transfer resolved at ``now``: fix ``finished``, ``seconds``
+        and ``wire_bytes``."""
+        self.finished = now
+        self.seconds = now - self.started
+        self.wire_bytes = self.bytes
+
+    @property
+    def gbps(self) -> float:
+        s = self.seconds
+        return self.bytes / s / 1e9 if s > 0 else 0.0
 
 
 class TransferHandleBase(abc.ABC, Generic[R]):

@@ -17,7 +17,7 @@ rest), ``control`` (metadata over a TCP connection).
 from __future__ import annotations
 
 from .agent import UcxAgent
-from .handle import TransferHandle, TransferStats
+from .handle import TransferHandle, TransferStats, UcxStats
 from .loader import DEFAULT_UCX_CONFIG, available, unavailable_reason
 from .peer import PreparedSend, UcxPeer
 
@@ -28,6 +28,7 @@ __all__ = [
     "TransferStats",
     "UcxAgent",
     "UcxPeer",
+    "UcxStats",
     "available",
     "unavailable_reason",
 ]

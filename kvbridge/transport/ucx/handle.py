@@ -1,6 +1,7 @@
 """A transfer in flight over UCX: a :class:`TransferHandleBase` (awaitable,
 ``progress``, ``done``, ``cancel``, ``wait``) whose result is its typed
-:class:`TransferStats`.
+:class:`~kvbridge.transport.handle.UcxStats` (the UCX member of the one
+:class:`~kvbridge.transport.handle.TransferStats` family).
 
 ``done()`` of a handle still in flight progresses the worker once and
 accounts what arrived, so a caller that polls learns "landed" without an
@@ -15,14 +16,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import Cancelled, KVBridgeError, TransferTimeout
 from ..deadlines import Deadlines
-from ..handle import TransferHandleBase
+from ..handle import TransferHandleBase, TransferStats, UcxStats
 
-__all__ = ["AWAIT_SPIN_MAX_BYTES", "AWAIT_SPIN_US", "TransferHandle", "TransferStats"]
+__all__ = [
+    "AWAIT_SPIN_MAX_BYTES",
+    "AWAIT_SPIN_US",
+    "TransferHandle",
+    "TransferStats",
+    "UcxStats",
+]
 
 # How long ``await handle`` of a small transfer (at most AWAIT_SPIN_MAX_BYTES)
 # polls the worker inline before it waits on the loop.  A large transfer is
@@ -35,39 +41,9 @@ AWAIT_SPIN_MAX_BYTES = 256 * 1024
 _PENDING, _DONE, _FAILED = 0, 1, 2
 
 
-@dataclass(slots=True)
-class TransferStats:
-    """What one UCX send or receive did."""
-
-    request_id: str
-    direction: str  # "send" or "recv"
-    path: str = ""  # "put" (zero-copy) or "staging" (pack, put, unpack)
-    bytes: int = 0  # KV bytes moved (put payload, or wire bytes when staged)
-    runs: int = 0  # one-sided puts posted (after coalescing)
-    chunks: int = 0  # staging chunks
-    retries: int = 0  # always 0: UCX retransmits below us
-    layers_done: int = 0  # receiver: layers of the expected range that landed
-    started: float = field(default_factory=time.monotonic)
-    finished: float = 0.0
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes that crossed the link (UCX sends them uncompressed)."""
-        return self.bytes
-
-    @property
-    def seconds(self) -> float:
-        return (self.finished or time.monotonic()) - self.started
-
-    @property
-    def gbps(self) -> float:
-        s = self.seconds
-        return self.bytes / s / 1e9 if s > 0 else 0.0
-
-
-class TransferHandle(TransferHandleBase[TransferStats]):
+class TransferHandle(TransferHandleBase[UcxStats]):
     """One send or one expected receive.  ``await handle`` returns the
-    :class:`TransferStats` or raises a :mod:`kvbridge.errors` error; a
+    :class:`UcxStats` or raises a :mod:`kvbridge.errors` error; a
     deadline (``timeout``) is armed at creation, whether awaited or not.
     ``cancel()`` fails it with ``Cancelled`` here and tells the peer.
 
@@ -99,8 +75,8 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         self._loop = loop = asyncio.get_running_loop()
         self._state = _PENDING
         self._exc: BaseException | None = None
-        self._future: asyncio.Future[TransferStats] | None = None
-        self.stats = TransferStats(request_id, direction, started=time.monotonic())
+        self._future: asyncio.Future[UcxStats] | None = None
+        self.stats = UcxStats(request_id=request_id, direction=direction, started=time.monotonic())
         self._on_abort = on_abort
         self._timeout = timeout
         # the owner's deadlines, on one loop timer for all its handles (a
@@ -142,7 +118,16 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         h._exc = None
         h._future = None
         now = time.monotonic()
-        h.stats = TransferStats(request_id, "send", "put", nbytes, runs, 0, 0, 0, now, now)
+        h.stats = UcxStats(
+            bytes=nbytes,
+            wire_bytes=nbytes,
+            request_id=request_id,
+            direction="send",
+            path="put",
+            runs=runs,
+            started=now,
+            finished=now,
+        )
         h._on_abort = on_abort
         h._timeout = timeout
         h._deadlines = None
@@ -155,7 +140,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         return h
 
     @property
-    def _fut(self) -> asyncio.Future[TransferStats]:  # type: ignore[override]
+    def _fut(self) -> asyncio.Future[UcxStats]:  # type: ignore[override]
         """The base's future (``wait()``), made on first use: resolved
         already when the handle is.  (A property, not ``__getattr__``: a class
         with ``__getattr__`` makes every attribute read of its instances slow.)"""
@@ -177,7 +162,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
     def _moved_bytes(self) -> int:
         return min(self.stats.bytes, self.total_bytes)
 
-    def _result(self, seconds: float) -> TransferStats:
+    def _result(self, seconds: float) -> UcxStats:
         return self.stats
 
     def arm(self) -> None:
@@ -186,7 +171,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
             self._armed = True
             self._deadlines.add(self, time.monotonic() + self._timeout, self._loop)
 
-    def __await__(self) -> Generator[Any, None, TransferStats]:
+    def __await__(self) -> Generator[Any, None, UcxStats]:
         if not self._state and self.poller is not None and self.total_bytes <= AWAIT_SPIN_MAX_BYTES:
             # A small transfer is usually microseconds from done: poll the
             # worker here for a bounded slice (at most the agent's
@@ -257,7 +242,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         """Resolve with the stats; False when already resolved."""
         if self._state:
             return False
-        self.stats.finished = time.monotonic()
+        self.stats.close(time.monotonic())
         self._resolve(None)
         return True
 
@@ -265,7 +250,7 @@ class TransferHandle(TransferHandleBase[TransferStats]):
         """Resolve with ``exc``; False when already resolved."""
         if self._state:
             return False
-        self.stats.finished = time.monotonic()
+        self.stats.close(time.monotonic())
         self._resolve(exc)
         return True
 
