@@ -20,6 +20,7 @@ from kvbridge.integrations.vllm.handoff import (
     Extend,
     HttpHandoff,
     MainAlone,
+    RestartRelay,
     Show,
     StopRelay,
 )
@@ -226,3 +227,35 @@ def test_proxy_relay_end_of_stream_and_failures() -> None:
         acts += h.main_piece([10 + i], "", "length" if i == 7 else None, 0.3 + 0.01 * i)
     assert shown(acts) == [10 + i for i in range(8)]
     assert acts[-1] == Done("length")
+
+
+def test_proxy_main_ready_before_the_relay_first_token() -> None:
+    """The main decode's load is done before the relay's first token: the
+    relay commits token 0 alone and the main decode switches at 1 with no
+    extend in flight; the proxy stops the relay and continues on the main
+    decode after token 0 (no request is left waiting for a decision)."""
+    h = HttpHandoff(PddCore(config(6)), 1, 30, 10)
+    h.open(0.0)
+    assert h.md_loaded(0.1) == []
+    acts = h.relay_piece([50], "a", None, 0.2)
+    assert shown(acts) == [50]
+    assert acts.count(StopRelay()) == 1
+    assert [a for a in acts if isinstance(a, Continue)] == [Continue((50,), 9, settle=True)]
+    assert shown(h.relay_piece([51], "b", None, 0.3)) == []  # after the cancel: dropped
+    for i in range(1, 10):
+        acts += h.main_piece([50 + i], "x", "length" if i == 9 else None, 0.4 + 0.01 * i)
+    assert shown(acts) == [50 + i for i in range(10)]
+    assert [a for a in acts if isinstance(a, Done)] == [Done("length")]
+    assert h.switch_at == 1
+
+
+def test_proxy_relay_start_does_not_restart_the_relay() -> None:
+    """The relay's first token starts the core's relay side: the relay's
+    request already runs, so the proxy is not told to start another one."""
+    h = HttpHandoff(PddCore(config(6)), 1, 30, 20)
+    h.open(0.0)
+    acts: list[Any] = []
+    for i in range(4):
+        acts += h.relay_piece([60 + i], "", None, 0.01 * (i + 1))
+    assert not [a for a in acts if isinstance(a, RestartRelay)]
+    assert shown(acts) == [60, 61, 62, 63]

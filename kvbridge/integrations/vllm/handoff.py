@@ -32,6 +32,7 @@ from ...pdd import (
     MainExtend,
     MainExtended,
     MainKVReady,
+    MainRun,
     MainStart,
     MainToken,
     PddCore,
@@ -257,9 +258,27 @@ class HttpHandoff:
                         self.budget = None if side is None else len(side.tokens)
                         self.relay_stopped = True
                         acts.append(StopRelay())
-                    else:
+                    elif self.relay_stopped:  # at its start the relay's request already runs
                         self.relay_stopped = False
                         acts.append(RestartRelay(tuple(side.tokens) if side else ()))
+                elif isinstance(c, MainRun):
+                    m = core.main(rid)
+                    if c.run and not self.streaming and m is not None and not m.to_extend:
+                        # the switch with no extend in flight (the relay committed
+                        # nothing the main decode lacks, e.g. it was ready at token
+                        # 0): the main decode's stream continues after what it holds
+                        self.streaming = True
+                        self.cut_at = now
+                        if not self.relay_stopped:
+                            self.relay_stopped = True
+                            acts.append(StopRelay())
+                        acts.append(
+                            Continue(
+                                tuple(m.known[: m.fed]),
+                                self.max_tokens - m.fed,
+                                settle=self.relay_shown == m.fed,
+                            )
+                        )
                 elif isinstance(c, MainExtend):
                     m = core.main(rid)
                     assert m is not None

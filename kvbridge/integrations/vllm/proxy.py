@@ -550,6 +550,9 @@ class DisaggProxy:
                 inbox.put_nowait(("main_error", e))
 
         def start(name: str, coro: Any) -> None:
+            old = tasks.pop(name, None)
+            if old is not None and not old.done():
+                old.cancel()  # one request per role: a stale stream must not feed the inbox
             tasks[name] = asyncio.ensure_future(coro)
 
         async def stop(name: str) -> None:
