@@ -644,7 +644,7 @@ class SyncBridge:
             if peer in dest and isinstance(self._prefill.destination(peer), TcpDestination):
                 self._prefill.tcp_sender(peer).send_control(ft, data)
                 return
-            rx = self._decode._tcp if self._decode is not None else None
+            rx = self._decode.tcp_receiver if self._decode is not None else None
             if rx is not None and peer in rx.peer_identities():
                 rx.send_control(peer, ft, data)
                 return
@@ -678,7 +678,7 @@ class SyncBridge:
             except Exception:
                 log.exception("the CONTROL %#x handler of bridge %r raised", t, self.identity)
 
-        rx = self._decode._tcp if self._decode is not None else None
+        rx = self._decode.tcp_receiver if self._decode is not None else None
         if rx is not None and only is None:
             rx.on_control(
                 ft, lambda conn, t, p: dispatch(conn.peer.identity if conn.peer else "", t, p)
