@@ -539,14 +539,7 @@ async def _drain(tasks: set[asyncio.Task[None]]) -> None:
 
 async def _forget(pre: Any, name: str) -> None:
     """Drop a destination (closing its connection) so the name can be connected again."""
-    s = pre._tcp.pop(name, None)
-    if s is not None:
-        await s.close()
-    p = pre._ucx_peers.pop(name, None)
-    if p is not None and hasattr(p, "close"):
-        r = p.close()
-        if asyncio.iscoroutine(r):
-            await r
+    await pre.disconnect(name)
 
 
 def main() -> int:

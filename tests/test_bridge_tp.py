@@ -501,7 +501,7 @@ def test_ucx_same_heads_use_the_put_path_and_wrong_heads_are_refused() -> None:
 
             await pre.connect("wide", PeerConfig("ucx", metadata=wide.ucx_metadata()))
             ex = wide.expect("w", dt, START, N, via="ucx", sources=tp_sources(["a", "b"], H))
-            peer = pre._ucx_peers["wide"]
+            peer = pre.destination("wide").peer
             t_a = Ticket.decode(ex.tickets["a"])  # heads [0, 4); "b" brings [4, 8)
             h = peer.send("w", pt, list(t_a.block_table), START, N, heads=(2, 6))
             with pytest.raises(IncompatiblePeer, match="expected for heads"):

@@ -405,7 +405,7 @@ def test_g_request_aborted_while_waiting_frees_both_ends(kind: str) -> None:
             if kind == "ucx":
                 # (the one-sided puts: what the sender posts before the decode's
                 # ABORT reaches it still lands: docs/reliability.md, class g)
-                peer = pre._ucx_peers["md"]
+                peer = pre.destination("md").peer
                 assert await settle(lambda: "a" in peer._aborted), "the ABORT did not arrive"
             # the prefill goes on computing layers; its send ends typed, long
             # before its 30 s deadline, frees its pages, and writes nothing more

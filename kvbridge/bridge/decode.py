@@ -178,6 +178,12 @@ class DecodeBridge:
         return wrap_ucx_metadata(self.description, bytes(self._require_ucx().metadata()))
 
     @property
+    def tcp_receiver(self) -> TcpReceiver | None:
+        """The TCP receiver (``tcp_listen``), for CONTROL messages; None
+        without one."""
+        return self._tcp
+
+    @property
     def ucx_agent(self) -> Any:
         """The UCX agent (ucx=True), to share with a PrefillBridge on this cache."""
         return self._require_ucx()

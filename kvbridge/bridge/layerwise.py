@@ -17,21 +17,16 @@ both, per destination.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import Cancelled, InvalidArgument, KVBridgeError, TransferTimeout
 from ..transport.tcp.kvio import KVSource
-from .handles import Delivery, DeliveryStats, SendGroup
-from .ticket import Ticket
+from .handles import DeliveryStats, SendGroup
 
-if TYPE_CHECKING:
-    from .prefill import PrefillBridge
-
-__all__ = ["LayerwiseSend", "LayerwiseSource"]
+__all__ = ["LayerFeed", "LayerwiseSend", "LayerwiseSource"]
 
 
 class LayerwiseSource(KVSource):
@@ -112,101 +107,45 @@ class LayerwiseSource(KVSource):
                     raise Cancelled("layer-wise send cancelled")
 
 
-class LayerwiseSend(SendGroup):
-    """A send whose layers are released as prefill computes them."""
+class LayerFeed(Protocol):
+    """One destination's share of a layer-wise send (implemented by each
+    transport's destination, :mod:`kvbridge.bridge.destination`)."""
 
-    def __init__(
-        self,
-        bridge: PrefillBridge,
-        rid: str,
-        block_table: Any,
-        tickets: dict[str, Ticket],
-        priority: int,
-        timeout: float | None,
-        layer_timeout: float,
-    ) -> None:
-        super().__init__(rid, list(tickets))
-        self.bridge = bridge
-        self.block_table = block_table
-        self.tickets = tickets
-        self.timeout = timeout
-        self._sources: dict[str, LayerwiseSource] = {}
-        self._ucx_parts: dict[str, list[Delivery]] = {
-            n: [] for n in tickets if n not in bridge._tcp
-        }
-        self._ucx_sent: dict[str, int] = {n: tickets[n].layer_start for n in self._ucx_parts}
-        self._ucx_released = {n: asyncio.Event() for n in self._ucx_parts}
+    def release(self, layer_end: int) -> None: ...
+
+    def end(self, exc: KVBridgeError) -> None: ...
+
+    def unreleased(self) -> int | None: ...
+
+    async def outcome(self, ended: Callable[[], KVBridgeError | None]) -> DeliveryStats: ...
+
+
+class LayerwiseSend(SendGroup):
+    """A send whose layers are released as prefill computes them: one
+    :class:`LayerFeed` per destination, fed by :meth:`layers_ready`."""
+
+    def __init__(self, rid: str, num_layers: int, feeds: dict[str, LayerFeed]) -> None:
+        super().__init__(rid, list(feeds))
+        self.num_layers = num_layers
+        self.feeds = feeds
         self._ended: KVBridgeError | None = None
-        self._tcp: dict[str, Delivery] = {}
-        for name, t in tickets.items():
-            if name in bridge._tcp:
-                src = LayerwiseSource(
-                    bridge.cache,
-                    block_table,
-                    t.start,
-                    t.end,
-                    (t.layer_start, t.layer_end),
-                    heads=bridge.send_heads(name, t),
-                    layer_timeout=layer_timeout,
-                )
-                self._sources[name] = src
-                d = bridge._tcp_delivery(name, rid, src, t, priority, timeout)
-                # a transfer that ended early must not leave a pack waiting for its layers
-                d.add_done_callback(_wake(src))
-                self._tcp[name] = d
-            elif t.layer_start == t.layer_end:
-                self._ucx_released[name].set()
         self._tasks = self._start_watching()
 
     def layers_ready(self, layer_end: int) -> None:
         """Layers below ``layer_end`` are computed: let them leave."""
-        if not 0 <= layer_end <= self.bridge.layout.num_layers:
-            raise InvalidArgument(f"layer {layer_end} outside [0, {self.bridge.layout.num_layers}]")
+        if not 0 <= layer_end <= self.num_layers:
+            raise InvalidArgument(f"layer {layer_end} outside [0, {self.num_layers}]")
         if self._ended is not None:
             return
-        for src in self._sources.values():
-            src.mark_ready(min(max(layer_end, src.layers[0]), src.layers[1]))
-        for name, parts in self._ucx_parts.items():
-            t = self.tickets[name]
-            lo, hi = self._ucx_sent[name], min(layer_end, t.layer_end)
-            if hi > lo:
-                try:
-                    d = self.bridge._ucx_delivery(
-                        name, self.request_id, self.block_table, t, (lo, hi), self.timeout
-                    )
-                except KVBridgeError as exc:
-                    # refused to post (the receiver aborted the request, the peer
-                    # is gone): this destination ends with the error, no layer follows
-                    d = _failed(DeliveryStats(self.request_id, name, "ucx"), exc)
-                    hi = t.layer_end
-                parts.append(d)
-                self._ucx_sent[name] = hi
-                if hi == t.layer_end:
-                    self._ucx_released[name].set()
+        for feed in self.feeds.values():
+            feed.release(layer_end)
 
     def _end(self, exc: KVBridgeError) -> None:
         if self._ended is not None:
             return
         self._ended = exc
-        for src in self._sources.values():
-            src.cancel()
-        for d in self._tcp.values():
-            d.fail(exc)
-        for name, parts in self._ucx_parts.items():
-            pending = [d for d in parts if not d.done()]
-            for d in pending:
-                d.fail(exc)
-            if not pending and self._ucx_sent[name] < self.tickets[name].layer_end:
-                self._tell_ucx_receiver(name, str(exc))
-            self._ucx_released[name].set()
-
-    def _tell_ucx_receiver(self, name: str, reason: str) -> None:
-        """No part of this destination is in flight, yet its receiver waits
-        for layers that will not come: an ABORT tells it."""
-        try:
-            self.bridge._ucx_peers[name].abort(self.request_id, Cancelled(reason))
-        except KVBridgeError:
-            return  # the peer is gone or closed: its expect fails by itself
+        for feed in self.feeds.values():
+            feed.end(exc)
 
     def cancel(self, reason: str = "cancelled by the sender") -> None:
         self._end(Cancelled(reason))
@@ -215,41 +154,13 @@ class LayerwiseSend(SendGroup):
         self._end(exc)
 
     async def outcome(self, name: str) -> DeliveryStats:
-        if name in self._tcp:
-            return await self._tcp[name]
-        await self._ucx_released[name].wait()
-        t = self.tickets[name]
-        total = DeliveryStats(self.request_id, name, "ucx")
-        for d in list(self._ucx_parts[name]):
-            st = await d
-            total.bytes += st.bytes
-            total.wire_bytes += st.wire_bytes
-            total.seconds = max(total.seconds, st.seconds)
-            total.path = st.path
-        if self._ucx_sent[name] < t.layer_end:
-            assert self._ended is not None
-            raise self._ended
-        return total
+        return await self.feeds[name].outcome(lambda: self._ended)
 
     async def wait(self, timeout: float | None = None) -> dict[str, DeliveryStats]:
         """Every layer delivered to every destination (call after the last
         ``layers_ready``)."""
-        for name in self._ucx_parts:
-            t = self.tickets[name]
-            if self._ucx_sent[name] < t.layer_end and self._ended is None:
-                raise InvalidArgument(f"{name}: layers from {self._ucx_sent[name]} never released")
+        for name, feed in self.feeds.items():
+            lo = feed.unreleased()
+            if lo is not None and self._ended is None:
+                raise InvalidArgument(f"{name}: layers from {lo} never released")
         return await super().wait(timeout)
-
-
-def _failed(stats: DeliveryStats, exc: KVBridgeError) -> Delivery:
-    async def fail() -> None:
-        raise exc
-
-    return Delivery(stats, fail(), lambda: 0.0, lambda _reason: None)
-
-
-def _wake(src: LayerwiseSource) -> Callable[[Delivery], None]:
-    def done(_d: Delivery) -> None:
-        src.cancel()
-
-    return done

@@ -9,7 +9,6 @@ ends with :class:`~kvbridge.errors.LeaseExpired`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ssl as _ssl
 import time
 from collections.abc import Callable, Mapping
@@ -23,15 +22,14 @@ from ..errors import (
     KVBridgeError,
     LayoutError,
     LeaseExpired,
-    TransferTimeout,
     Unavailable,
 )
 from ..pack import PagedKVCache
-from ..transport.tcp.kvio import KVSource
 from ..transport.tcp.sender import DEFAULT_STREAMS, TcpSender
+from .destination import Destination, TcpDestination, UcxDestination
 from .handles import Delivery, DeliveryStats, MultiSend, Outcome, SendGroup
 from .identity import check_peer, describe, unwrap_ucx_metadata, wrap_ucx_metadata
-from .layerwise import LayerwiseSend
+from .layerwise import LayerFeed, LayerwiseSend
 from .leases import DEFAULT_LEASE, LeaseTable
 from .metrics import BridgeMetrics, BridgeMetricsView
 from .ticket import Ticket, TicketTransport
@@ -104,16 +102,13 @@ class PrefillBridge:
         self._ucx_options = ucx_options or {}
         self._ucx: Any = ucx_agent
         self._own_ucx = ucx_agent is None
-        self._tcp: dict[str, TcpSender] = {}
-        self._ucx_peers: dict[str, Any] = {}
-        self._ucx_cfg: dict[str, PeerConfig] = {}
-        self._ucx_healing: dict[str, asyncio.Future[Any]] = {}
+        self._dests: dict[str, Destination] = {}
         self._live: dict[str, SendGroup] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
 
     # ---- peers -------------------------------------------------------------------
     async def connect(self, name: str, peer: PeerConfig) -> None:
-        if name in self._tcp or name in self._ucx_peers:
+        if name in self._dests:
             raise InvalidArgument(f"destination {name!r} is already connected")
         if peer.transport == "tcp":
             s = TcpSender(
@@ -139,15 +134,17 @@ class PrefillBridge:
             except BaseException:
                 await s.close()
                 raise
-            self._tcp[name] = s
+            self._dests[name] = TcpDestination(name, s)
         elif peer.transport == "ucx":
             if not peer.metadata and not peer.port:
                 raise InvalidArgument(
                     f"{name}: a UCX destination needs its metadata or the host and port "
                     "where it serves it"
                 )
-            self._ucx_peers[name] = await self._connect_ucx(name, peer)
-            self._ucx_cfg[name] = peer
+            p = await self._connect_ucx(name, peer)
+            # a destination with a metadata endpoint is reconnected through it
+            reconnect = (lambda: self._connect_ucx(name, peer, fetch=True)) if peer.port else None
+            self._dests[name] = UcxDestination(name, p, reconnect)
         else:
             raise InvalidArgument(f"unknown transport {peer.transport!r} (use 'tcp' or 'ucx')")
 
@@ -162,31 +159,6 @@ class PrefillBridge:
             check_peer(name, theirs, self.description)
         agent = self._ensure_ucx()
         return await agent.connect(blob, timeout=peer.connect_timeout, psk=peer.psk)
-
-    def _healable(self, name: str) -> bool:
-        """A UCX destination that can be reconnected by its metadata endpoint."""
-        cfg = self._ucx_cfg.get(name)
-        return cfg is not None and cfg.port != 0
-
-    def _heal_ucx(self, name: str) -> asyncio.Future[Any]:
-        """Reconnect ``name`` (once for all the sends that ask meanwhile):
-        its metadata fetched again, then a new HELLO; the dead peer is
-        replaced."""
-        f = self._ucx_healing.get(name)
-        if f is None or f.done():
-
-            async def heal() -> Any:
-                p = await self._connect_ucx(name, self._ucx_cfg[name], fetch=True)
-                old = self._ucx_peers.get(name)
-                if old is not None and old is not p and old.error is None:
-                    await old.close()  # a live peer of an older incarnation
-                self._ucx_peers[name] = p
-                return p
-
-            f = asyncio.ensure_future(heal())
-            f.add_done_callback(lambda t: t.cancelled() or t.exception())
-            self._ucx_healing[name] = f
-        return f
 
     def _ensure_ucx(self) -> Any:
         if self._ucx is None:
@@ -206,14 +178,29 @@ class PrefillBridge:
 
     def tcp_sender(self, name: str) -> TcpSender:
         """The TCP sender of a destination (for CONTROL messages)."""
+        d = self._dests.get(name)
+        if not isinstance(d, TcpDestination):
+            raise InvalidArgument(f"no TCP destination named {name!r}")
+        return d.sender
+
+    def destination(self, name: str) -> Destination:
+        """The connected destination ``name`` (its transport's
+        :class:`~kvbridge.bridge.destination.Destination`)."""
         try:
-            return self._tcp[name]
+            return self._dests[name]
         except KeyError:
-            raise InvalidArgument(f"no TCP destination named {name!r}") from None
+            raise InvalidArgument(f"no destination named {name!r}; connect it first") from None
+
+    async def disconnect(self, name: str) -> None:
+        """Close destination ``name`` (its connection or UCX peer); the name
+        can be connected again."""
+        d = self._dests.pop(name, None)
+        if d is not None:
+            await d.close()
 
     @property
     def destinations(self) -> list[str]:
-        return [*self._tcp, *self._ucx_peers]
+        return list(self._dests)
 
     @property
     def live_sends(self) -> dict[str, SendGroup]:
@@ -226,16 +213,11 @@ class PrefillBridge:
             self._lease_timer = None
         for group in list(self._live.values()):
             group.fail(Cancelled("prefill bridge closed"))
-        for s in self._tcp.values():
-            await s.close()
-        self._tcp.clear()
-        for f in self._ucx_healing.values():
-            f.cancel()
-        await asyncio.gather(*self._ucx_healing.values(), return_exceptions=True)
-        self._ucx_healing.clear()
-        for p in self._ucx_peers.values():
-            await p.close()
-        self._ucx_peers.clear()
+        # TCP first, then UCX (the peers before the agent they belong to)
+        dests = sorted(self._dests.values(), key=lambda d: d.transport is TicketTransport.UCX)
+        self._dests.clear()
+        for d in dests:
+            await d.close()
         if self._ucx is not None and self._own_ucx:
             await self._ucx.close()
         self._ucx = None
@@ -258,17 +240,7 @@ class PrefillBridge:
             raise IncompatiblePeer(
                 f"{name}: the ticket is for model {t.model!r} != ours {self.model_id!r}"
             )
-        want = TicketTransport.TCP if name in self._tcp else TicketTransport.UCX
-        if name not in self._tcp and name not in self._ucx_peers:
-            raise InvalidArgument(f"no destination named {name!r}; connect it first")
-        if t.transport is not want:
-            raise InvalidArgument(
-                f"{name}: ticket is for {t.transport.name} but the destination uses {want.name}"
-            )
-        peer = self._ucx_peers.get(name)
-        if peer is not None and peer.agent_id != t.agent_id and not self._healable(name):
-            # (a destination that can be reconnected checks the agent once reconnected)
-            raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
+        self.destination(name).check_ticket(t)
         self.send_heads(name, t)
         return t
 
@@ -323,18 +295,10 @@ class PrefillBridge:
         out: dict[str, Delivery] = {}
         try:
             for name, t in checked.items():
-                if name in self._tcp:
-                    src = KVSource(
-                        self.cache,
-                        block_table,
-                        t.start,
-                        t.end,
-                        (t.layer_start, t.layer_end),
-                        self.send_heads(name, t),
-                    )
-                    out[name] = self._tcp_delivery(name, rid, src, t, priority, timeout)
-                else:
-                    out[name] = self._ucx_delivery(name, rid, block_table, t, None, timeout)
+                out[name] = self._dests[name].send(
+                    rid, self.cache, block_table, t, self.send_heads(name, t),
+                    priority=priority, timeout=timeout,
+                )  # fmt: skip
         except BaseException as exc:
             self.leases.release(rid)
             for d in out.values():
@@ -347,15 +311,14 @@ class PrefillBridge:
         return group
 
     def _refused(self, rid: str, names: list[str], exc: KVBridgeError) -> None:
-        """A send that failed to post: its UCX receivers are told (an ABORT
+        """A send that failed to post: its receivers are told (UCX: an ABORT
         with the error's code), so their expectations fail now rather than at
         their deadlines.  (A TCP receiver has nothing open for it yet; its
         engine cancels the expectation when the prefill reports the error.)"""
         for name in names:
-            peer = self._ucx_peers.get(name)
-            if peer is not None and peer.error is None:
-                with contextlib.suppress(KVBridgeError):
-                    peer.abort(rid, exc)
+            d = self._dests.get(name)
+            if d is not None:
+                d.abort(rid, exc)
 
     def send_layerwise(
         self,
@@ -373,11 +336,20 @@ class PrefillBridge:
         rid = str(request_id)
         checked = self._checked(rid, tickets)
         self.leases.grant(rid, lease)
+        feeds: dict[str, LayerFeed] = {}
         try:
-            group = LayerwiseSend(self, rid, block_table, checked, priority, timeout, layer_timeout)
-        except BaseException:
+            for name, t in checked.items():
+                feeds[name] = self._dests[name].layerwise(
+                    rid, self.cache, block_table, t, self.send_heads(name, t),
+                    priority=priority, timeout=timeout, layer_timeout=layer_timeout,
+                )  # fmt: skip
+        except BaseException as exc:
             self.leases.release(rid)
+            err = exc if isinstance(exc, KVBridgeError) else Cancelled("the send failed to start")
+            for f in feeds.values():
+                f.end(err)
             raise
+        group = LayerwiseSend(rid, self.layout.num_layers, feeds)
         self._track(group)
         return group
 
@@ -444,88 +416,6 @@ class PrefillBridge:
             return
         delay = max(0.0, deadline - self.leases.clock())
         self._lease_timer = asyncio.get_running_loop().call_later(delay, self.expire_leases)
-
-    # ---- deliveries ----------------------------------------------------------------
-    def _tcp_delivery(
-        self,
-        name: str,
-        rid: str,
-        src: KVSource,
-        t: Ticket,
-        priority: int,
-        timeout: float | None,
-    ) -> Delivery:
-        h = self._tcp[name].send(rid, src, token=t.token, priority=priority, timeout=timeout)
-        stats = DeliveryStats(rid, name, "tcp", bytes=src.nbytes)
-
-        def finish(res: Any, st: DeliveryStats) -> None:
-            st.wire_bytes = res.wire_bytes
-            st.retries = res.retries
-            st.streams = res.streams
-
-        return Delivery(stats, h.wait(), lambda: h.progress, h.cancel, finish)
-
-    def _ucx_delivery(
-        self,
-        name: str,
-        rid: str,
-        block_table: Any,
-        t: Ticket,
-        layers: tuple[int, int] | None,
-        timeout: float | None,
-    ) -> Delivery:
-        peer = self._ucx_peers[name]
-        heads = self.send_heads(name, t)
-        lr = layers or (t.layer_start, t.layer_end)
-        stats = DeliveryStats(rid, name, "ucx")
-
-        def finish(res: Any, st: DeliveryStats) -> None:
-            st.bytes = int(getattr(res, "bytes", 0))
-            st.wire_bytes = st.bytes
-            st.path = "ucx-" + str(getattr(res, "path", "") or "put")
-
-        def post(p: Any, seconds: float | None) -> Any:
-            return p.send(
-                rid, block_table, list(t.block_table), t.start, t.end, lr,
-                timeout=seconds, heads=heads,
-            )  # fmt: skip
-
-        stale = peer.error is not None or peer.agent_id != t.agent_id
-        if not (stale and self._healable(name)):
-            h = post(peer, timeout)
-            return Delivery(stats, h.wait(), lambda: 1.0 if h.done() else 0.0, h.cancel, finish)
-        # the peer is gone (or the ticket names its next incarnation): reconnect, then send
-        loop = asyncio.get_running_loop()
-        stop: asyncio.Future[str] = loop.create_future()
-        box: list[Any] = []
-        t0 = loop.time()
-
-        async def healed() -> Any:
-            heal = self._heal_ucx(name)
-            done, _ = await asyncio.wait(
-                {heal, stop}, timeout=timeout, return_when="FIRST_COMPLETED"
-            )
-            if stop in done:
-                raise Cancelled(stop.result())
-            if heal not in done:
-                raise TransferTimeout(f"{name}: {rid!r}: no reconnection within {timeout} s")
-            p = heal.result()  # its typed error when the reconnection failed
-            if p.agent_id != t.agent_id:
-                raise IncompatiblePeer(f"{name}: the ticket names another UCX agent")
-            left = None if timeout is None else max(0.0, timeout - (loop.time() - t0))
-            h = post(p, left)
-            box.append(h)
-            return await h.wait()
-
-        def cancel(reason: str) -> None:
-            if box:
-                box[0].cancel(reason)
-            elif not stop.done():
-                stop.set_result(reason)
-
-        return Delivery(
-            stats, healed(), lambda: 1.0 if box and box[0].done() else 0.0, cancel, finish
-        )
 
 
 def _view(

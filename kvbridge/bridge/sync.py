@@ -39,6 +39,7 @@ from ..pack import PagedKVCache
 from ..transport.tcp.receiver import ReceiverLimits
 from ..wire.frames import CONTROL_FIRST
 from .decode import DecodeBridge, Expectation
+from .destination import TcpDestination
 from .events import BridgeEvents, TransferDone, TransferFailed
 from .handles import Delivery, DeliveryStats, Outcome, SendGroup
 from .identity import check_model_id
@@ -639,10 +640,11 @@ class SyncBridge:
         def run() -> None:
             self._on_loop_check("send_control()")
             assert self._prefill is not None
-            if peer in self._prefill._tcp:
+            dest = self._prefill.destinations
+            if peer in dest and isinstance(self._prefill.destination(peer), TcpDestination):
                 self._prefill.tcp_sender(peer).send_control(ft, data)
                 return
-            rx = self._decode._tcp if self._decode is not None else None
+            rx = self._decode.tcp_receiver if self._decode is not None else None
             if rx is not None and peer in rx.peer_identities():
                 rx.send_control(peer, ft, data)
                 return
@@ -676,15 +678,16 @@ class SyncBridge:
             except Exception:
                 log.exception("the CONTROL %#x handler of bridge %r raised", t, self.identity)
 
-        rx = self._decode._tcp if self._decode is not None else None
+        rx = self._decode.tcp_receiver if self._decode is not None else None
         if rx is not None and only is None:
             rx.on_control(
                 ft, lambda conn, t, p: dispatch(conn.peer.identity if conn.peer else "", t, p)
             )
         if self._prefill is not None:
-            for name, sender in self._prefill._tcp.items():
-                if only is None or name == only:
-                    sender.on_control(ft, _from_destination(name, dispatch))
+            for name in self._prefill.destinations:
+                d = self._prefill.destination(name)
+                if isinstance(d, TcpDestination) and (only is None or name == only):
+                    d.sender.on_control(ft, _from_destination(name, dispatch))
 
 
 def _from_destination(
