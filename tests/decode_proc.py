@@ -45,6 +45,44 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def serve(md: Any, dst: Any, kind: str, say: Any) -> None:
+    """Answer the parent's JSON lines on stdin with expectations of ``md`` (a
+    started DecodeBridge over ``dst``) until stdin closes, then close ``md``."""
+    from kvbridge import pack
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_line(line: str) -> None:
+        msg = json.loads(line)
+        rid, pages, n = msg["rid"], np.asarray(msg["pages"], np.int32), msg["n"]
+        try:
+            e = md.expect(rid, pages, 0, n, via=kind, timeout=msg["timeout"])
+        except Exception as ex:  # a typed refusal: reported, not fatal
+            say({"rid": rid, "refused": type(ex).__name__})
+            return
+        say({"rid": rid, "ticket": e.ticket.hex()})
+
+        def done(d: Any) -> None:
+            res = d.outcome()
+            if isinstance(res, BaseException):
+                say({"rid": rid, "done": type(res).__name__})
+            else:
+                got = bytes(np.asarray(pack.pack(dst, pages, 0, n)))
+                say({"rid": rid, "done": "ok", "sha": hashlib.sha256(got).hexdigest()})
+
+        e.add_done_callback(done)
+
+    def reader() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(on_line, line)
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=reader, daemon=True).start()
+    await stop.wait()
+    await md.close()
+
+
 def child(kind: str, port: int) -> None:
     from kvbridge import pack
     from kvbridge.bridge import DecodeBridge
@@ -69,37 +107,7 @@ def child(kind: str, port: int) -> None:
                 dst, identity="du", ucx=True, ucx_control=("127.0.0.1", port), **fast
             ).start()
         say({"ready": True, "pid": os.getpid()})
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-
-        def on_line(line: str) -> None:
-            msg = json.loads(line)
-            rid, pages, n = msg["rid"], np.asarray(msg["pages"], np.int32), msg["n"]
-            try:
-                e = md.expect(rid, pages, 0, n, via=kind, timeout=msg["timeout"])
-            except Exception as ex:  # a typed refusal: reported, not fatal
-                say({"rid": rid, "refused": type(ex).__name__})
-                return
-            say({"rid": rid, "ticket": e.ticket.hex()})
-
-            def done(d: Any) -> None:
-                res = d.outcome()
-                if isinstance(res, BaseException):
-                    say({"rid": rid, "done": type(res).__name__})
-                else:
-                    got = bytes(np.asarray(pack.pack(dst, pages, 0, n)))
-                    say({"rid": rid, "done": "ok", "sha": hashlib.sha256(got).hexdigest()})
-
-            e.add_done_callback(done)
-
-        def reader() -> None:
-            for line in sys.stdin:
-                loop.call_soon_threadsafe(on_line, line)
-            loop.call_soon_threadsafe(stop.set)
-
-        threading.Thread(target=reader, daemon=True).start()
-        await stop.wait()
-        await md.close()
+        await serve(md, dst, kind, say)
 
     asyncio.run(main())
 
