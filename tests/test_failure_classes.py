@@ -232,6 +232,30 @@ def test_c_sender_dead_mid_handshake_leaves_receiver_serving() -> None:
 
 @NEEDS_UCX
 def test_c_ucx_initiator_dead_after_hello_leaves_acceptor_serving(tmp_path: Any) -> None:
+    """The case below runs in a child process: in about 1 run of 12 on a
+    2-core x86 VM, UCX's TCP transport (the libucx wheel) crashes the
+    acceptor with SIGSEGV in ``ucp_wireup_ep_test``, called from
+    ``ucp_worker_iface_error_handler`` while ``uct_tcp`` reconnects the dead
+    initiator's endpoint during wireup (docs/reliability.md, "Known crash").
+    That crash is reported as an expected failure; any other failure fails."""
+    import os
+    import signal
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys, pathlib; sys.path.insert(0, {here!r}); import test_failure_classes as t; "
+        f"t._initiator_dead_after_hello_case(pathlib.Path({str(tmp_path)!r}))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, UCX_TLS="tcp"),
+    )  # fmt: skip
+    if r.returncode == -signal.SIGSEGV:
+        pytest.xfail("UCX wireup crash in the acceptor (SIGSEGV in ucp_wireup_ep_test)")
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+
+
+def _initiator_dead_after_hello_case(tmp_path: Any) -> None:
     """The initiator's HELLO arrives and its process is gone before the ACK:
     the acceptor's HELLO callback must not fail (the anchors' KeyError)."""
     import os
