@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 import ucx_workers
-from ucx_cases import make_cache
 from ucx_cases import agent as ucx_agent
+from ucx_cases import make_cache
 
 from kvbridge.errors import Cancelled, KVBridgeError, TransferAborted, TransferTimeout
 from kvbridge.layout import KVLayout
