@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import InvalidArgument, LayoutError, OverlapError, Unavailable
 from ..layout import tp_head_range
 from ..pack import PagedKVCache
+from ..span import KVSpan, as_span
 from ..transport.tcp import ReceiverLimits, TcpReceiver
 from ..transport.tcp.kvio import KVSink
 from .handles import Delivery, DeliveryStats
@@ -209,8 +210,8 @@ class DecodeBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         *,
         layers: tuple[int, int] | None = None,
         via: str = "tcp",
@@ -219,7 +220,9 @@ class DecodeBridge:
         sources: Sequence[tuple[str, tuple[int, int]]] | None = None,
     ) -> Expectation:
         """Expect tokens ``[start, end)`` (and ``layers``) of a request into the
-        pages ``block_table``.  Give ``expectation.ticket`` to the sender.
+        pages ``block_table``.  Give ``expectation.ticket`` to the sender.  A
+        :class:`~kvbridge.span.KVSpan` may stand for ``block_table``,
+        ``start``, ``end``, ``layers`` and ``heads``: ``expect(rid, span)``.
 
         ``heads`` is the range of the model's KV heads wanted (default all
         this cache holds).  ``sources`` names the sender ranks and the heads
@@ -231,19 +234,20 @@ class DecodeBridge:
         overlap raise :class:`~kvbridge.errors.OverlapError`, wanted heads
         that no source holds :class:`~kvbridge.errors.LayoutError`."""
         rid = str(request_id)
-        l0, l1 = self.layout.layer_range(layers)
-        want = self.layout.check_heads(heads)
+        span = as_span(block_table, start, end, layers, heads, what="expect()")
+        span = span.resolve(self.layout)  # LayoutError outside our layers or heads
+        assert span.heads is not None
         if via not in ("tcp", "ucx"):
             raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
         if sources is None:
-            exp = self._expect_part(rid, block_table, start, end, (l0, l1), via, timeout, want)
+            exp = self._expect_part(rid, span, via, timeout)
         else:
-            plan = plan_sources(want, sources)
+            plan = plan_sources(span.heads, sources)
             parts: dict[str, Expectation] = {}
             try:
                 for name, part_heads in plan:
                     parts[name] = self._expect_part(
-                        rid, block_table, start, end, (l0, l1), via, timeout, part_heads
+                        rid, span.replace(heads=part_heads), via, timeout
                     )
             except BaseException:
                 for p in parts.values():
@@ -263,25 +267,19 @@ class DecodeBridge:
         exp.add_done_callback(record)
         return exp
 
-    def _expect_part(
-        self,
-        rid: str,
-        block_table: Any,
-        start: int,
-        end: int,
-        layers: tuple[int, int],
-        via: str,
-        timeout: float | None,
-        heads: tuple[int, int],
-    ) -> Expectation:
-        """One expected transfer of heads ``heads`` (its own token on TCP, its
-        own UCX expectation), with its ticket."""
-        l0, l1 = layers
+    def _expect_part(self, rid: str, span: KVSpan, via: str, timeout: float | None) -> Expectation:
+        """One expected transfer of ``span`` (resolved: its heads are this
+        part's; its own token on TCP, its own UCX expectation), with its
+        ticket."""
+        assert span.layers is not None and span.heads is not None
+        l0, l1 = span.layers
+        heads = span.heads
+        start, end = span.start, span.end
         # the ticket names the heads unless they are all the model's (version 1 bytes)
         named = None if heads == (0, self.layout.total_kv_heads) else heads
         if via == "tcp":
             tcp = self.tcp
-            sink = KVSink(self.cache, block_table, start, end, (l0, l1), heads)
+            sink = KVSink(self.cache, span)
             h = tcp.expect(rid, sink, timeout=timeout)
             ticket = Ticket(
                 TicketTransport.TCP,
@@ -303,8 +301,7 @@ class DecodeBridge:
             exp = Expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish_tcp)
         else:
             agent = self._require_ucx()
-            uh = agent.expect(rid, block_table, start, end, (l0, l1), timeout=timeout, heads=heads)
-            bt = tuple(int(x) for x in list(block_table))
+            uh = agent.expect(rid, span, timeout=timeout)
             ticket = Ticket(
                 TicketTransport.UCX,
                 rid,
@@ -314,7 +311,7 @@ class DecodeBridge:
                 l1,
                 self.layout.compat_hash,
                 agent_id=agent.agent_id,
-                block_table=bt,
+                block_table=tuple(span.block_table.tolist()),
                 model=self.model_id,
                 heads=named,
             )

@@ -25,6 +25,7 @@ from ..errors import (
     Unavailable,
 )
 from ..pack import PagedKVCache
+from ..span import KVSpan
 from ..transport.tcp.sender import DEFAULT_STREAMS, TcpSender
 from .destination import Destination, TcpDestination, UcxDestination
 from .handles import Delivery, DeliveryStats, MultiSend, Outcome, SendGroup
@@ -329,8 +330,11 @@ class PrefillBridge:
             )
         return (lo, hi)
 
-    def _checked(self, rid: str, tickets: Mapping[str, bytes | Ticket]) -> dict[str, Ticket]:
-        """Every ticket decoded and checked before anything is sent."""
+    def _checked(
+        self, rid: str, pages: Any, tickets: Mapping[str, bytes | Ticket]
+    ) -> dict[str, tuple[Ticket, KVSpan]]:
+        """Every ticket decoded and checked, and the span each destination
+        gets, before anything is sent."""
         out = {n: self._ticket(n, raw) for n, raw in tickets.items()}
         for name, t in out.items():
             if t.request_id != rid:
@@ -339,7 +343,36 @@ class PrefillBridge:
                 )
         if rid in self._live:
             raise InvalidArgument(f"request {rid!r} is being sent already (it holds a lease)")
-        return out
+        bound = pages if isinstance(pages, KVSpan) else None
+        table = bound if bound is not None else KVSpan(pages, 0, 0)  # copied once
+        return {n: (t, self._span(n, table, bound, t)) for n, t in out.items()}
+
+    def _span(self, name: str, table: KVSpan, bound: KVSpan | None, t: Ticket) -> KVSpan:
+        """What we send for ticket ``t``: our pages, the ticket's tokens and
+        layers, the heads :meth:`send_heads` says.  A span the engine gave
+        bounds them: the ticket may not ask for tokens, layers or heads
+        outside it (its pages do not hold them)."""
+        heads = self.send_heads(name, t)
+        span = table.replace(
+            start=t.start, end=t.end, layers=(t.layer_start, t.layer_end), heads=heads
+        )
+        if bound is not None:
+            b = bound.resolve(self.layout)
+            assert b.layers is not None and b.heads is not None
+            if not (
+                b.start <= t.start
+                and t.end <= b.end
+                and b.layers[0] <= t.layer_start
+                and t.layer_end <= b.layers[1]
+                and b.heads[0] <= heads[0]
+                and heads[1] <= b.heads[1]
+            ):
+                raise InvalidArgument(
+                    f"{name}: the ticket asks for tokens [{t.start}, {t.end}) of layers "
+                    f"[{t.layer_start}, {t.layer_end}), heads {list(heads)}, outside the "
+                    f"span given ({bound!r})"
+                )
+        return span
 
     def send(
         self,
@@ -353,17 +386,20 @@ class PrefillBridge:
     ) -> MultiSend:
         """Send the KV each ticket asks for, to every destination at once.
         Each destination progresses and completes on its own.  ``lease``: how
-        long the pages stay pinned for this send (default ``lease_timeout``)."""
+        long the pages stay pinned for this send (default ``lease_timeout``).
+        ``block_table``: our pages of the request, or a
+        :class:`~kvbridge.span.KVSpan` of them, which also bounds the tokens,
+        layers and heads a ticket may ask for (``InvalidArgument`` before
+        anything moves otherwise)."""
         rid = str(request_id)
-        checked = self._checked(rid, tickets)
+        checked = self._checked(rid, block_table, tickets)
         self.leases.grant(rid, lease)
         out: dict[str, Delivery] = {}
         try:
-            for name, t in checked.items():
+            for name, (t, span) in checked.items():
                 out[name] = self._dests[name].send(
-                    rid, self.cache, block_table, t, self.send_heads(name, t),
-                    priority=priority, timeout=timeout,
-                )  # fmt: skip
+                    rid, self.cache, span, t, priority=priority, timeout=timeout
+                )
         except BaseException as exc:
             self.leases.release(rid)
             for d in out.values():
@@ -397,15 +433,16 @@ class PrefillBridge:
         lease: float | None = None,
     ) -> LayerwiseSend:
         """Start a send whose layers leave as prefill finishes them: call
-        :meth:`LayerwiseSend.layers_ready` after each layer (or group)."""
+        :meth:`LayerwiseSend.layers_ready` after each layer (or group).
+        ``block_table`` as in :meth:`send` (a table or a span)."""
         rid = str(request_id)
-        checked = self._checked(rid, tickets)
+        checked = self._checked(rid, block_table, tickets)
         self.leases.grant(rid, lease)
         feeds: dict[str, LayerFeed] = {}
         try:
-            for name, t in checked.items():
+            for name, (t, span) in checked.items():
                 feeds[name] = self._dests[name].layerwise(
-                    rid, self.cache, block_table, t, self.send_heads(name, t),
+                    rid, self.cache, span, t,
                     priority=priority, timeout=timeout, layer_timeout=layer_timeout,
                 )  # fmt: skip
         except BaseException as exc:

@@ -37,6 +37,7 @@ from ..errors import (
     Unavailable,
 )
 from ..pack import PagedKVCache
+from ..span import KVSpan, as_span
 from ..transport.tcp.receiver import ReceiverLimits
 from ..wire.frames import CONTROL_FIRST
 from .decode import DecodeBridge, Expectation
@@ -386,8 +387,8 @@ class SyncBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = ...,
+        end: int | None = ...,
         *,
         layers: tuple[int, int] | None = ...,
         via: str = ...,
@@ -402,8 +403,8 @@ class SyncBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = ...,
+        end: int | None = ...,
         *,
         layers: tuple[int, int] | None = ...,
         via: str = ...,
@@ -417,8 +418,8 @@ class SyncBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         *,
         layers: tuple[int, int] | None = None,
         via: str = "tcp",
@@ -430,7 +431,9 @@ class SyncBridge:
         """Expect tokens ``[start, end)`` of a request into our pages
         ``block_table``; returns the ticket (opaque bytes) for the sender.
         The outcome arrives through :meth:`poll` (``received`` or ``failed``,
-        ``peer`` as given here).  The block table is copied.
+        ``peer`` as given here).  The block table is copied.  A
+        :class:`~kvbridge.span.KVSpan` may stand for ``block_table``,
+        ``start``, ``end``, ``layers`` and ``heads``: ``expect(rid, span)``.
 
         With tensor parallelism, ``heads`` is the range of the model's KV
         heads wanted (default all the cache holds) and ``sources`` the
@@ -441,7 +444,7 @@ class SyncBridge:
         when the first part failed (which cancels the others)."""
         lt = self._running("expect()")
         rid = str(request_id)
-        bt = _table(block_table)
+        span = as_span(block_table, start, end, layers, heads, what="expect()")
         _seconds(timeout, "timeout")
         srcs = None if sources is None else list(sources)
 
@@ -455,17 +458,7 @@ class SyncBridge:
             with self._lock:
                 if rid in self._recvs:
                     raise InvalidArgument(f"request {rid!r} is already expected")
-            exp = self._decode.expect(
-                rid,
-                bt,
-                start,
-                end,
-                layers=layers,
-                via=via,
-                timeout=timeout,
-                heads=heads,
-                sources=srcs,
-            )
+            exp = self._decode.expect(rid, span, via=via, timeout=timeout, sources=srcs)
             st = _Recv(rid, peer, exp)
             with self._lock:
                 self._recvs[rid] = st
@@ -505,10 +498,13 @@ class SyncBridge:
         one raises here and nothing moves).  The pages stay leased to
         kvbridge until :meth:`poll` lists the request in ``released`` (at
         most ``lease`` seconds, default ``lease_timeout``, unless renewed).
-        ``layerwise``: the layers leave as :meth:`layers_ready` releases them."""
+        ``layerwise``: the layers leave as :meth:`layers_ready` releases them.
+        ``block_table`` is our pages of the request (copied), or a
+        :class:`~kvbridge.span.KVSpan` of them that also bounds what the
+        tickets may ask for."""
         lt = self._running("send()")
         rid = str(request_id)
-        bt = _table(block_table)
+        bt = _pages(block_table)
         _seconds(timeout, "timeout")
         _seconds(layer_timeout, "layer_timeout")
         tk = {str(n): _ticket_bytes(n, t) for n, t in dict(tickets).items()}
@@ -732,17 +728,12 @@ def _from_destination(
     return handler
 
 
-def _table(block_table: Any) -> np.ndarray:
-    """A private int32 copy of an engine's block table (list, array or tensor)."""
-    try:
-        if hasattr(block_table, "detach"):  # a torch tensor, on any device
-            block_table = block_table.detach().cpu().numpy()
-        bt = np.array(block_table, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"block_table must be a sequence of page ids: {e}") from None
-    if bt.size and (bt.min() < np.iinfo(np.int32).min or bt.max() > np.iinfo(np.int32).max):
-        raise InvalidArgument("block_table has page ids outside int32")
-    return bt.astype(np.int32)
+def _pages(block_table: Any) -> Any:
+    """An engine's span as it is, or a private, read-only int32 copy of its
+    block table (list, array or tensor), checked in the engine's thread."""
+    if isinstance(block_table, KVSpan):
+        return block_table
+    return KVSpan(block_table, 0, 0).block_table
 
 
 def _seconds(value: float, what: str) -> float:
