@@ -13,7 +13,7 @@ import ssl as _ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     Cancelled,
@@ -33,7 +33,11 @@ from .identity import check_peer, describe, unwrap_ucx_metadata, wrap_ucx_metada
 from .layerwise import LayerFeed, LayerwiseSend
 from .leases import DEFAULT_LEASE, LeaseTable
 from .metrics import BridgeMetrics, BridgeMetricsView
+from .peers import ResolvedPeers
 from .ticket import Ticket, TicketTransport
+
+if TYPE_CHECKING:
+    from ..registry.view import Resolver
 
 __all__ = ["LayerwiseSend", "PeerConfig", "PrefillBridge"]
 
@@ -79,7 +83,17 @@ class PrefillBridge:
     says what differs.  ``lease_timeout`` is the default lease of a send's
     pages; ``clock`` the lease clock (``time.monotonic``; tests pass a fake).
     ``ucx_agent`` shares one UCX agent with a :class:`DecodeBridge` over the
-    same cache (an engine that both sends and receives)."""
+    same cache (an engine that both sends and receives).
+
+    ``resolver`` (a :class:`~kvbridge.registry.RegistryView`, or any
+    :class:`~kvbridge.registry.Resolver`) lets tickets name destinations
+    by engine id alone: :meth:`reach` (and :meth:`send_resolved`) connects
+    the named decode on demand, with ``peer_defaults`` (a TCP
+    :class:`PeerConfig`; host and port come from the resolver), refuses one
+    registered with another compatibility hash before connecting, and
+    reconnects when its generation changes (:mod:`kvbridge.bridge.peers`).
+    Destinations connected by :meth:`connect` (static peers) work as
+    before, beside the resolved ones."""
 
     def __init__(
         self,
@@ -92,6 +106,8 @@ class PrefillBridge:
         lease_timeout: float = DEFAULT_LEASE,
         clock: Callable[[], float] = time.monotonic,
         metrics: BridgeMetrics | BridgeMetricsView | None = None,
+        resolver: Resolver | None = None,
+        peer_defaults: PeerConfig | None = None,
     ) -> None:
         self.cache = cache
         self.layout = cache.layout
@@ -106,6 +122,11 @@ class PrefillBridge:
         self._dests: dict[str, Destination] = {}
         self._live: dict[str, SendGroup] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
+        self.resolved: ResolvedPeers | None = None
+        if resolver is not None:
+            self.resolved = ResolvedPeers(
+                resolver, peer_defaults or PeerConfig("tcp"), self.layout.compat_hash
+            )
 
     # ---- peers -------------------------------------------------------------------
     async def connect(self, name: str, peer: PeerConfig) -> None:
@@ -195,9 +216,53 @@ class PrefillBridge:
     async def disconnect(self, name: str) -> None:
         """Close destination ``name`` (its connection or UCX peer); the name
         can be connected again."""
+        if self.resolved is not None:
+            self.resolved.forget(name)
         d = self._dests.pop(name, None)
         if d is not None:
             await d.close()
+
+    async def reach(self, name: str) -> None:
+        """Make sure destination ``name`` is connected, to the incarnation
+        the resolver names now.  A static destination (:meth:`connect`) is
+        left as it is.  Through the resolver: ``UnknownPeer`` when no live
+        entry names it, :class:`~kvbridge.errors.IncompatiblePeer` when its
+        entry has another compatibility hash (nothing connects); a
+        destination whose entry changed generation or address is closed
+        (sends still on it fail) and connected again; the handshake's
+        errors (``AuthenticationError`` for a peer that is not ``name``)
+        pass through and leave nothing connected."""
+        rp = self.resolved
+        if rp is None or (name in self._dests and not rp.is_bound(name)):
+            self.destination(name)  # static, or InvalidArgument
+            return
+        async with rp.lock(name):
+            if name not in self._dests:
+                rp.forget(name)
+            addr, peer = rp.plan(name)
+            if peer is None:
+                return
+            old = self._dests.pop(name, None)
+            if old is not None:
+                await old.close()
+            try:
+                await self.connect(name, peer)
+            except BaseException:
+                rp.forget(name)
+                raise
+            rp.bind(name, addr)
+
+    async def send_resolved(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        tickets: Mapping[str, bytes | Ticket],
+        **kw: Any,
+    ) -> MultiSend:
+        """:meth:`reach` every destination the tickets name, then :meth:`send`."""
+        for name in tickets:
+            await self.reach(name)
+        return self.send(request_id, block_table, tickets, **kw)
 
     @property
     def destinations(self) -> list[str]:

@@ -15,13 +15,14 @@ which never blocks.  docs/engine-integration.md shows the calls in order.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import ssl as _ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -50,6 +51,9 @@ from .metrics import BridgeMetrics
 from .options import BridgeOptions
 from .prefill import LayerwiseSend, PeerConfig, PrefillBridge
 from .ticket import Ticket
+
+if TYPE_CHECKING:
+    from ..registry.view import Resolver
 
 __all__ = ["BridgeEvents", "SyncBridge", "TransferDone", "TransferFailed"]
 
@@ -94,7 +98,10 @@ class SyncBridge:
     pages, ``call_timeout`` the bound on every blocking call, ``metrics`` a
     :class:`~kvbridge.bridge.metrics.BridgeMetrics` (None: a private one,
     as ``.metrics``).  ``clock`` is the lease clock (tests pass a fake one
-    and call :meth:`expire_leases`).
+    and call :meth:`expire_leases`).  ``resolver`` and ``peer_defaults``:
+    tickets may name destinations by engine id alone, found through a
+    registry view and connected on demand by :meth:`send`
+    (:meth:`kvbridge.bridge.PrefillBridge.reach`).
     """
 
     def __init__(
@@ -119,6 +126,8 @@ class SyncBridge:
         tls_identity: str = "cn_or_san",
         ucx_agent: Any = None,
         ucx_control: tuple[str, int] | None = None,
+        resolver: Resolver | None = None,
+        peer_defaults: PeerConfig | None = None,
     ) -> None:
         if not hasattr(cache, "layout"):
             raise InvalidArgument(f"cache must be a kvbridge.pack.PagedKVCache, not {cache!r}")
@@ -154,6 +163,8 @@ class SyncBridge:
             keepalive_timeout=keepalive_timeout,
             lease_timeout=self.lease_timeout,
             clock=clock,
+            resolver=resolver,
+            peer_defaults=peer_defaults,
         )
         self._clock = clock
         self._lock = threading.Lock()
@@ -525,7 +536,29 @@ class SyncBridge:
             group.on_outcome(lambda name, out: self._on_sent(st, name, out))
             group.on_done(lambda _g: self._on_released(st))
 
-        lt.call_fn(run, self.call_timeout, "send()")
+        rp = self._prefill.resolved if self._prefill is not None else None
+        if rp is None:
+            lt.call_fn(run, self.call_timeout, "send()")
+            return
+        # destinations named by engine id: connected (or reconnected) first
+        ct = float(rp.defaults.connect_timeout)
+
+        def late(name: str) -> ConnectTimeout:
+            return ConnectTimeout(f"{name}: not connected within {ct:g} s")
+
+        async def reach_then_run() -> None:
+            self._on_loop_check("send()")
+            assert self._prefill is not None
+            for name in tk:
+                before = self._prefill.destinations
+                d = self._prefill.destination(name) if name in before else None
+                await wait_within(self._prefill.reach(name), ct, functools.partial(late, name))
+                if self._prefill.destination(name) is not d:
+                    for ft in list(self._control):  # a new connection: its CONTROL handlers
+                        self._install_control(ft, only=name)
+            run()
+
+        lt.call(reach_then_run, self.call_timeout + len(tk) * (ct + _CONNECT_SLACK), "send()")
 
     def _on_sent(self, st: _Send, name: str, out: Outcome) -> None:
         rid = st.group.request_id
