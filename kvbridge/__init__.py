@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 _BRIDGE = ("BridgeOptions", "DecodeBridge", "PrefillBridge", "PeerConfig", "SyncBridge", "Ticket")
 # the engine's cache description (torch, the C++ core): loaded on first use too
 _PACK = ("PagedKVCache",)
+# the value naming a request's pages, tokens, layers and heads (numpy)
+_SPAN = ("KVSpan",)
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +25,10 @@ def __getattr__(name: str) -> Any:
         from . import bridge
 
         return getattr(bridge, name)
+    if name in _SPAN:
+        from . import span
+
+        return getattr(span, name)
     if name in _PACK:
         from . import pack
 
@@ -37,6 +43,7 @@ __all__ = [
     "HeadOrder",
     "KVBridgeError",
     "KVLayout",
+    "KVSpan",
     "MemoryOrder",
     "PagedKVCache",
     "PeerConfig",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from etcd_server import EtcdServer
 
+from kvbridge.cache.hashing import page_hashes
 from kvbridge.errors import Unavailable
 from kvbridge.fleet import FleetConfig, FleetRouter
 from kvbridge.layout import KVLayout
@@ -25,7 +26,7 @@ from kvbridge.registry import (
     new_generation,
 )
 from kvbridge.registry.etcd import EtcdOptions, EtcdRegistration, EtcdWatcher
-from kvbridge.router import Pipeline, Router, RouterConfig
+from kvbridge.router import Pipeline, Reason, Router, RouterConfig
 
 PT = 16
 
@@ -189,3 +190,80 @@ def test_churn_loses_no_request(etcd: EtcdServer) -> None:
         await watcher.close()
 
     asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def _brute_depth(fr: FleetRouter, eid: str, hashes: list[bytes]) -> int:
+    pages = fr._engines[eid].pages
+    n = 0
+    for h in hashes:
+        if h not in pages:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_choices_equal_a_brute_force_scan(seed: int) -> None:
+    """The bit-set index, the load buckets and the heaps choose what a scan
+    of every engine would: the main decode with the longest held prefix
+    among those within the cap (the least loaded on a tie, all of them when
+    none fits), and the prefill with the least queued work less its prefix."""
+    rng = random.Random(seed)
+    fr = FleetRouter(Router(_layout()), FleetConfig(page_tokens=PT, load_factor=1.2))
+    for i in range(rng.randrange(1, 6)):
+        queued = rng.randrange(0, 200)
+        fr.apply(ViewChange(f"p{i}", rec(f"p{i}", Role.PREFILL, queued=queued), None))
+    fr.apply(ViewChange("r0", rec("r0", Role.RELAY), None))
+    for i in range(rng.randrange(1, 7)):
+        fr.apply(ViewChange(f"m{i}", rec(f"m{i}", Role.MAIN), None))
+    bases = [[rng.randrange(50) for _ in range(8 * PT)] for _ in range(4)]
+    inflight: list[str] = []
+    for k in range(300):
+        toks = rng.choice(bases)[: rng.randrange(PT, 8 * PT)]
+        toks += [rng.randrange(50) for _ in range(rng.randrange(0, 3 * PT))]
+        hashes = page_hashes(toks, PT)
+        mains = fr.eligible(Role.MAIN)
+        actives = {m: fr._engines[m].active for m in mains}
+        cap = fr.config.load_factor * (sum(actives.values()) + 1) / len(mains)
+        fits = [m for m in mains if actives[m] + 1 <= cap] or mains
+        depth = {m: _brute_depth(fr, m, hashes) for m in mains}
+        best_main = max((depth[m], -actives[m]) for m in fits)
+        pre = {
+            p: fr._engines[p].queued - _brute_depth(fr, p, hashes) * PT
+            for p in fr.eligible(Role.PREFILL)
+        }
+        route = fr.route(f"q{k}", toks, 4)
+        assert route.main in fits
+        assert (depth[route.main], -actives[route.main]) == best_main
+        assert route.matched_tokens == min(depth[route.main] * PT, len(toks))
+        assert pre[route.prefill] == min(pre.values())
+        inflight.append(route.request_id)
+        if len(inflight) > rng.randrange(1, 20):
+            fr.finish(inflight.pop(rng.randrange(len(inflight))))
+        if k % 50 == 49:  # membership moves: an engine leaves, another joins
+            gone = rng.choice(fr.eligible(Role.MAIN))
+            if len(fr.eligible(Role.MAIN)) > 1:
+                fr.apply(ViewChange(gone, None, None))
+            fr.apply(ViewChange(f"m{k}", rec(f"m{k}", Role.MAIN), None))
+
+
+def test_new_prefixes_spread_over_equal_engines_and_no_relay_means_p_md() -> None:
+    fr = fleet(n_m=2)
+    a = fr.route("a", list(range(64)), 4, session="A")
+    fr.finish("a")
+    b = fr.route("b", list(range(500, 564)), 4, session="B")
+    fr.finish("b")
+    assert {a.main, b.main} == {"m0", "m1"}  # equal engines: in turn, not both on one
+    # each session's next turn stays where its prefix is
+    assert fr.route("a2", list(range(64)) + [9] * 32, 4, session="A").main == a.main
+    assert fr.route("b2", list(range(500, 564)) + [9] * 32, 4, session="B").main == b.main
+    # the router would relay, but the fleet has no relay: P-MD, said why
+    layout = _layout()
+    lone = FleetRouter(
+        Router(layout, RouterConfig(ttft_target_s=1e-9)), FleetConfig(page_tokens=PT)
+    )
+    for eid, role in (("p", Role.PREFILL), ("m", Role.MAIN)):
+        lone.apply(ViewChange(eid, rec(eid, role), None))
+    route = lone.route("x", list(range(4096)), 2000)
+    assert route.relay is None and route.decision.pipeline is Pipeline.P_MD
+    assert route.decision.reason is Reason.NO_RELAY

@@ -39,6 +39,7 @@ LAYERS: list[tuple[set[str], bool]] = [
     ({"errors"}, False),
     ({"_waits", "models"}, False),
     ({"layout", "_core", "_ucx"}, False),  # the compiled extensions know no Python layer
+    ({"span"}, False),  # KVSpan: the (block table, tokens, layers, heads) value
     ({"pack", "_pack"}, True),  # the public face and its implementation
     ({"wire", "cache", "router", "handoff"}, False),  # the sans-IO core (+ the handoff driver)
     ({"pdd"}, False),  # the PDD orchestration core over the router and the handoff (+ its driver)
@@ -57,7 +58,7 @@ BENCH_LAYERS: list[tuple[set[str], bool]] = [
 ]
 
 # IO-free parts: no sockets, no event loop, no threads.
-SANS_IO = ["wire", "cache", "router", "layout", "pack", "_pack", "handoff.messages", "handoff.relay",
+SANS_IO = ["wire", "cache", "router", "layout", "span", "pack", "_pack", "handoff.messages", "handoff.relay",
            "handoff.main", "handoff.policy", "handoff.stream", "handoff.outputs",
            "handoff.params", "pdd.core", "pdd.events", "pdd.budget",
            "registry.records", "registry.view", "fleet"]  # fmt: skip

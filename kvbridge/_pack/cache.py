@@ -537,14 +537,15 @@ class PagedKVCache:
     def range(
         self,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         *,
         layers: tuple[int, int] | None = None,
         heads: tuple[int, int] | None = None,
         writable: bool = True,
     ) -> KVRange:
-        """The validated range of one transfer (see :class:`KVRange`)."""
+        """The validated range of one transfer (see :class:`KVRange`): of a
+        :class:`~kvbridge.span.KVSpan`, or of the five values."""
         from .range import KVRange
 
         return KVRange(self, block_table, start, end, layers=layers, heads=heads, writable=writable)

@@ -13,7 +13,6 @@ import numpy as np
 from ..errors import (
     DTypeError,
     InvalidArgument,
-    PageIndexError,
     ShapeError,
     Unavailable,
 )
@@ -49,7 +48,6 @@ _TORCH_DTYPES: dict[DType, str] = {
     DType.FP8_E4M3: "float8_e4m3fn",
     DType.FP8_E5M2: "float8_e5m2",
 }
-_INT32_MAX = 2**31 - 1
 
 
 def cuda_available() -> bool:
@@ -155,30 +153,6 @@ def _token_range(start: Any, end: Any) -> tuple[int, int]:
     if not 0 <= s <= e:
         raise InvalidArgument(f"bad token range [{s}, {e})")
     return s, e
-
-
-def _block_table(block_table: Any) -> np.ndarray[Any, np.dtype[np.int32]]:
-    """A host int32 C-contiguous copy or view of the table."""
-    if _is_tensor(block_table):
-        if block_table.is_floating_point() or block_table.is_complex():
-            raise DTypeError(f"block_table must hold integers, got {block_table.dtype}")
-        block_table = block_table.detach().cpu().numpy()
-    if isinstance(block_table, np.ndarray):
-        arr = block_table
-    else:
-        try:
-            arr = np.asarray(block_table)
-        except (OverflowError, ValueError, TypeError) as e:
-            raise InvalidArgument(f"block_table is not an int array: {e}") from None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        raise DTypeError(f"block_table must hold integers, got {arr.dtype}")
-    if arr.ndim != 1:
-        raise ShapeError(f"block_table must be 1-D, got shape {arr.shape}")
-    if arr.size and (int(arr.min()) < -_INT32_MAX - 1 or int(arr.max()) > _INT32_MAX):
-        raise PageIndexError("block_table holds page ids outside int32")
-    return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _nbytes(view: Any) -> int:

@@ -9,10 +9,10 @@ import numpy as np
 
 from ..errors import BufferTooSmall, InvalidArgument, Unavailable, raise_for_status
 from ..layout import KVLayout
+from ..span import KVSpan, as_span
 from .cache import PagedKVCache
 from .plumbing import (
     _as_bytes,
-    _block_table,
     _device_of,
     _index,
     _is_tensor,
@@ -30,7 +30,11 @@ from .plumbing import (
 class KVRange:
     """One transfer's range of a cache, checked once: tokens ``[start, end)``,
     ``layers`` (default all), the model's KV heads ``heads`` (default all the
-    cache holds) and the block table (in ``cache.block_tokens`` units).
+    cache holds) and the block table (in ``cache.block_tokens`` units), given
+    as one :class:`~kvbridge.span.KVSpan` (``KVRange(cache, span)``) or as
+    the five values (``KVRange(cache, block_table, start, end, layers=...,
+    heads=...)``).  ``span`` is the range's span, its layers and heads
+    resolved.
 
     ``writable=False`` makes a range that only packs, and that accepts a page
     named twice.  The block table is converted to int32 kernel pages and
@@ -43,21 +47,22 @@ class KVRange:
         self,
         cache: PagedKVCache,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         *,
         layers: tuple[int, int] | None = None,
         heads: tuple[int, int] | None = None,
         writable: bool = True,
     ) -> None:
         core = _require_core()
-        a = _RangeArgs(cache, block_table, start, end, layers, heads)
+        a = _RangeArgs(cache, as_span(block_table, start, end, layers, heads, what="KVRange"))
         rc, msg, plan = core.make_plan(
             cache._desc, a.table, a.start, a.end, *a.layers, *a.core_heads, writable
         )
         raise_for_status(rc, msg)
         self._cache = cache
         self._plan = plan
+        self.span = a.span
         self.start, self.end = a.start, a.end
         self.layers = a.layers
         self.heads = a.heads
@@ -166,26 +171,20 @@ class _RangeArgs:
     """A range's arguments checked and converted for the core (head range
     relative to the cache's heads, 0, 0 for all; kernel-page int32 table)."""
 
-    def __init__(
-        self,
-        cache: PagedKVCache,
-        block_table: Any,
-        start: int,
-        end: int,
-        layers: tuple[int, int] | None,
-        heads: tuple[int, int] | None,
-    ) -> None:
+    def __init__(self, cache: PagedKVCache, span: KVSpan) -> None:
         if not isinstance(cache, PagedKVCache):
             raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         lay = cache.layout
-        self.start, self.end = _token_range(start, end)
-        self.layers = lay.layer_range(layers)
-        self.heads = lay.check_heads(heads)
+        self.span = span.resolve(lay)
+        self.start, self.end = span.start, span.end
+        self.layers = lay.layer_range(self.span.layers)
+        self.heads = lay.check_heads(self.span.heads)
         h0, h1 = self.heads
         self.core_heads = (
             (0, 0) if self.heads == lay.head_range else (h0 - lay.head_start, h1 - lay.head_start)
         )
-        self.table = cache._kernel_table(_block_table(block_table), self.start, self.end)
+        # the span's int32 table as it is (the core copies what it keeps)
+        self.table = cache._kernel_table(span.block_table, self.start, self.end)
 
 
 def wire_nbytes(
@@ -222,8 +221,8 @@ def xxh3_64(data: Any) -> int:
 def pack(
     cache: PagedKVCache,
     block_table: Any,
-    start: int,
-    end: int,
+    start: int | None = None,
+    end: int | None = None,
     *,
     layers: tuple[int, int] | None = None,
     heads: tuple[int, int] | None = None,
@@ -241,16 +240,18 @@ def pack(
     One call checks the range and packs (``cache.range(...).pack(...)``): to
     pack a transfer in chunks, make its :class:`KVRange` once instead.
     ``block_table[i]`` is the block holding tokens ``[i*bt, (i+1)*bt)``
-    (``bt = cache.block_tokens``).  See :meth:`KVRange.pack` for the rest.
+    (``bt = cache.block_tokens``); a :class:`~kvbridge.span.KVSpan` may
+    stand for the five values (``pack(cache, span, out=...)``).  See
+    :meth:`KVRange.pack` for the rest.
     """
     if not isinstance(cache, PagedKVCache):
         raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    span = as_span(block_table, start, end, layers, heads, what="pack()")
     if cache.is_cuda:  # one call: stage in stream order instead of making a plan
         return _once_cuda(
-            True, cache, block_table, start, end, layers, heads, out, offset, nbytes,
-            num_threads, stream, checksum,
+            True, cache, span, out, offset, nbytes, num_threads, stream, checksum
         )  # fmt: skip
-    rng = KVRange(cache, block_table, start, end, layers=layers, heads=heads, writable=False)
+    rng = KVRange(cache, span, writable=False)
     return rng.pack(
         out, offset=offset, nbytes=nbytes, num_threads=num_threads, stream=stream, checksum=checksum
     )
@@ -259,9 +260,9 @@ def pack(
 def unpack(
     cache: PagedKVCache,
     block_table: Any,
-    start: int,
-    end: int,
-    src: Any,
+    start: Any = None,
+    end: int | None = None,
+    src: Any = None,
     *,
     layers: tuple[int, int] | None = None,
     heads: tuple[int, int] | None = None,
@@ -275,17 +276,24 @@ def unpack(
     of tokens ``[start, end)`` (and ``layers``, ``heads``) -- into the cache.
 
     One call checks the range and unpacks (``cache.range(...).unpack(...)``).
-    See :meth:`KVRange.unpack`.
+    With a :class:`~kvbridge.span.KVSpan` for the five values, ``src`` comes
+    third: ``unpack(cache, span, src)`` (or ``src=``).  See
+    :meth:`KVRange.unpack`.
     """
     if not isinstance(cache, PagedKVCache):
         raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    if isinstance(block_table, KVSpan) and end is None and src is None and start is not None:
+        start, src = None, start  # unpack(cache, span, src)
+    if src is None:
+        raise InvalidArgument("unpack() needs src, the wire bytes to scatter")
+    span = as_span(block_table, start, end, layers, heads, what="unpack()")
     if cache.is_cuda:
         _once_cuda(
-            False, cache, block_table, start, end, layers, heads, src, offset, nbytes,
-            num_threads, stream, expect_checksum is not None,
+            False, cache, span, src, offset, nbytes, num_threads, stream,
+            expect_checksum is not None,
         )  # fmt: skip
         return
-    rng = KVRange(cache, block_table, start, end, layers=layers, heads=heads, writable=True)
+    rng = KVRange(cache, span, writable=True)
     rng.unpack(
         src,
         offset=offset,
@@ -299,11 +307,7 @@ def unpack(
 def _once_cuda(
     packing: bool,
     cache: PagedKVCache,
-    block_table: Any,
-    start: int,
-    end: int,
-    layers: tuple[int, int] | None,
-    heads: tuple[int, int] | None,
+    span: KVSpan,
     buf: Any,
     offset: int,
     nbytes: int | None,
@@ -314,7 +318,7 @@ def _once_cuda(
     """One pack or unpack of a CUDA cache through the per-call entry points,
     which stage the block table in stream order (a KVRange stages it once)."""
     core = _require_core()
-    a = _RangeArgs(cache, block_table, start, end, layers, heads)
+    a = _RangeArgs(cache, span)
     total = cache.layout.wire_nbytes(a.end - a.start, a.layers, a.heads)
     if checksum:
         raise Unavailable("the checksum in the copy is computed on the CPU path only")

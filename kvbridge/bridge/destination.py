@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import Cancelled, IncompatiblePeer, InvalidArgument, KVBridgeError, TransferTimeout
+from ..span import KVSpan
 from ..transport.tcp.kvio import KVSource
 from ..transport.tcp.sender import TcpSender
 from .handles import Delivery, DeliveryStats
@@ -93,30 +94,30 @@ class Destination(abc.ABC):
         self,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         *,
-        layers: tuple[int, int] | None = None,
         priority: int = 0,
         timeout: float | None = None,
     ) -> Delivery:
-        """Send what ticket ``t`` asks for (``layers``: only that range)."""
+        """Send ``span`` of our cache (our pages; the tokens, layers and heads
+        that ticket ``t`` asks for, or a layer range of them) to ``t``'s
+        expectation."""
 
     @abc.abstractmethod
     def layerwise(
         self,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         *,
         priority: int,
         timeout: float | None,
         layer_timeout: float,
     ) -> LayerFeed:
-        """Start a send whose layers leave as :meth:`LayerFeed.release` allows."""
+        """Start a send of ``span`` whose layers leave as
+        :meth:`LayerFeed.release` allows."""
 
     @abc.abstractmethod
     def abort(self, rid: str, exc: KVBridgeError) -> None:
@@ -167,39 +168,26 @@ class TcpDestination(Destination):
         self,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         *,
-        layers: tuple[int, int] | None = None,
         priority: int = 0,
         timeout: float | None = None,
     ) -> Delivery:
-        lr = layers or (t.layer_start, t.layer_end)
-        src = KVSource(cache, block_table, t.start, t.end, lr, heads)
-        return self._deliver(rid, src, t, priority, timeout)
+        return self._deliver(rid, KVSource(cache, span), t, priority, timeout)
 
     def layerwise(
         self,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         *,
         priority: int,
         timeout: float | None,
         layer_timeout: float,
     ) -> LayerFeed:
-        src = LayerwiseSource(
-            cache,
-            block_table,
-            t.start,
-            t.end,
-            (t.layer_start, t.layer_end),
-            heads=heads,
-            layer_timeout=layer_timeout,
-        )
+        src = LayerwiseSource(cache, span, layer_timeout=layer_timeout)
         d = self._deliver(rid, src, t, priority, timeout)
         # a transfer that ended early must not leave a pack waiting for its layers
         d.add_done_callback(lambda _d: src.cancel())
@@ -288,15 +276,12 @@ class UcxDestination(Destination):
         self,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         *,
-        layers: tuple[int, int] | None = None,
         priority: int = 0,
         timeout: float | None = None,
     ) -> Delivery:
-        lr = layers or (t.layer_start, t.layer_end)
         stats = DeliveryStats(rid, self.name, "ucx")
 
         def finish(res: Any, st: DeliveryStats) -> None:
@@ -305,10 +290,7 @@ class UcxDestination(Destination):
             st.path = "ucx-" + str(getattr(res, "path", "") or "put")
 
         def post(p: Any, seconds: float | None) -> Any:
-            return p.send(
-                rid, block_table, list(t.block_table), t.start, t.end, lr,
-                timeout=seconds, heads=heads,
-            )  # fmt: skip
+            return p.send(rid, span, list(t.block_table), timeout=seconds)
 
         peer = self.peer
         stale = peer.error is not None or peer.agent_id != t.agent_id
@@ -355,15 +337,14 @@ class UcxDestination(Destination):
         self,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         *,
         priority: int,
         timeout: float | None,
         layer_timeout: float,
     ) -> LayerFeed:
-        return _UcxFeed(self, rid, cache, block_table, t, heads, timeout)
+        return _UcxFeed(self, rid, cache, span, t, timeout)
 
     def abort(self, rid: str, exc: KVBridgeError) -> None:
         """An ABORT with the error's code: the receiver's expectation fails
@@ -389,17 +370,15 @@ class _UcxFeed(LayerFeed):
         dest: UcxDestination,
         rid: str,
         cache: Any,
-        block_table: Any,
+        span: KVSpan,
         t: Ticket,
-        heads: tuple[int, int],
         timeout: float | None,
     ) -> None:
         self.dest = dest
         self.rid = rid
         self.cache = cache
-        self.block_table = block_table
+        self.span = span
         self.t = t
-        self.heads = heads
         self.timeout = timeout
         self.parts: list[Delivery] = []
         self.sent = t.layer_start
@@ -413,10 +392,8 @@ class _UcxFeed(LayerFeed):
         if hi <= lo:
             return
         try:
-            d = self.dest.send(
-                self.rid, self.cache, self.block_table, t, self.heads,
-                layers=(lo, hi), timeout=self.timeout,
-            )  # fmt: skip
+            part = self.span.replace(layers=(lo, hi))
+            d = self.dest.send(self.rid, self.cache, part, t, timeout=self.timeout)
         except KVBridgeError as exc:
             # refused to post (the receiver aborted the request, the peer
             # is gone): this destination ends with the error, no layer follows

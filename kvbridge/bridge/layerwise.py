@@ -30,12 +30,15 @@ __all__ = ["LayerFeed", "LayerwiseSend", "LayerwiseSource"]
 
 
 class LayerwiseSource(KVSource):
+    """A :class:`KVSource` of a span (or of the five values) whose layers
+    become ready over time (:meth:`mark_ready`)."""
+
     def __init__(
         self,
         cache: Any,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         layers: tuple[int, int] | None = None,
         *,
         heads: tuple[int, int] | None = None,

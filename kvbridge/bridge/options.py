@@ -38,7 +38,10 @@ class BridgeOptions:
     bridge); ``ucx_control``: ``(host, port)`` serving the UCX metadata;
     ``keepalive_interval`` / ``keepalive_timeout``: the receiver's liveness
     probe; ``lease_timeout``: a send's default lease on its pages;
-    ``clock``: the lease clock; ``metrics``: where the bridge counts."""
+    ``clock``: the lease clock; ``metrics``: where the bridge counts;
+    ``resolver``: finds destinations by engine id (a registry view,
+    :mod:`kvbridge.bridge.peers`), connected with ``peer_defaults`` (a TCP
+    ``PeerConfig``)."""
 
     identity: str = "kvbridge"
     model_id: str = ""
@@ -57,6 +60,8 @@ class BridgeOptions:
     lease_timeout: float = DEFAULT_LEASE
     clock: Callable[[], float] = time.monotonic
     metrics: Any = None
+    resolver: Any = None
+    peer_defaults: Any = None
 
     @staticmethod
     def names() -> frozenset[str]:

@@ -13,7 +13,7 @@ import ssl as _ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     Cancelled,
@@ -25,6 +25,7 @@ from ..errors import (
     Unavailable,
 )
 from ..pack import PagedKVCache
+from ..span import KVSpan
 from ..transport.tcp.sender import DEFAULT_STREAMS, TcpSender
 from .destination import Destination, TcpDestination, UcxDestination
 from .handles import Delivery, DeliveryStats, MultiSend, Outcome, SendGroup
@@ -32,7 +33,11 @@ from .identity import check_peer, describe, unwrap_ucx_metadata, wrap_ucx_metada
 from .layerwise import LayerFeed, LayerwiseSend
 from .leases import DEFAULT_LEASE, LeaseTable
 from .metrics import BridgeMetrics, BridgeMetricsView
+from .peers import ResolvedPeers
 from .ticket import Ticket, TicketTransport
+
+if TYPE_CHECKING:
+    from ..registry.view import Resolver
 
 __all__ = ["LayerwiseSend", "PeerConfig", "PrefillBridge"]
 
@@ -78,7 +83,17 @@ class PrefillBridge:
     says what differs.  ``lease_timeout`` is the default lease of a send's
     pages; ``clock`` the lease clock (``time.monotonic``; tests pass a fake).
     ``ucx_agent`` shares one UCX agent with a :class:`DecodeBridge` over the
-    same cache (an engine that both sends and receives)."""
+    same cache (an engine that both sends and receives).
+
+    ``resolver`` (a :class:`~kvbridge.registry.RegistryView`, or any
+    :class:`~kvbridge.registry.Resolver`) lets tickets name destinations
+    by engine id alone: :meth:`reach` (and :meth:`send_resolved`) connects
+    the named decode on demand, with ``peer_defaults`` (a TCP
+    :class:`PeerConfig`; host and port come from the resolver), refuses one
+    registered with another compatibility hash before connecting, and
+    reconnects when its generation changes (:mod:`kvbridge.bridge.peers`).
+    Destinations connected by :meth:`connect` (static peers) work as
+    before, beside the resolved ones."""
 
     def __init__(
         self,
@@ -91,6 +106,8 @@ class PrefillBridge:
         lease_timeout: float = DEFAULT_LEASE,
         clock: Callable[[], float] = time.monotonic,
         metrics: BridgeMetrics | BridgeMetricsView | None = None,
+        resolver: Resolver | None = None,
+        peer_defaults: PeerConfig | None = None,
     ) -> None:
         self.cache = cache
         self.layout = cache.layout
@@ -105,6 +122,11 @@ class PrefillBridge:
         self._dests: dict[str, Destination] = {}
         self._live: dict[str, SendGroup] = {}
         self._lease_timer: asyncio.TimerHandle | None = None
+        self.resolved: ResolvedPeers | None = None
+        if resolver is not None:
+            self.resolved = ResolvedPeers(
+                resolver, peer_defaults or PeerConfig("tcp"), self.layout.compat_hash
+            )
 
     # ---- peers -------------------------------------------------------------------
     async def connect(self, name: str, peer: PeerConfig) -> None:
@@ -194,9 +216,53 @@ class PrefillBridge:
     async def disconnect(self, name: str) -> None:
         """Close destination ``name`` (its connection or UCX peer); the name
         can be connected again."""
+        if self.resolved is not None:
+            self.resolved.forget(name)
         d = self._dests.pop(name, None)
         if d is not None:
             await d.close()
+
+    async def reach(self, name: str) -> None:
+        """Make sure destination ``name`` is connected, to the incarnation
+        the resolver names now.  A static destination (:meth:`connect`) is
+        left as it is.  Through the resolver: ``UnknownPeer`` when no live
+        entry names it, :class:`~kvbridge.errors.IncompatiblePeer` when its
+        entry has another compatibility hash (nothing connects); a
+        destination whose entry changed generation or address is closed
+        (sends still on it fail) and connected again; the handshake's
+        errors (``AuthenticationError`` for a peer that is not ``name``)
+        pass through and leave nothing connected."""
+        rp = self.resolved
+        if rp is None or (name in self._dests and not rp.is_bound(name)):
+            self.destination(name)  # static, or InvalidArgument
+            return
+        async with rp.lock(name):
+            if name not in self._dests:
+                rp.forget(name)
+            addr, peer = rp.plan(name)
+            if peer is None:
+                return
+            old = self._dests.pop(name, None)
+            if old is not None:
+                await old.close()
+            try:
+                await self.connect(name, peer)
+            except BaseException:
+                rp.forget(name)
+                raise
+            rp.bind(name, addr)
+
+    async def send_resolved(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        tickets: Mapping[str, bytes | Ticket],
+        **kw: Any,
+    ) -> MultiSend:
+        """:meth:`reach` every destination the tickets name, then :meth:`send`."""
+        for name in tickets:
+            await self.reach(name)
+        return self.send(request_id, block_table, tickets, **kw)
 
     @property
     def destinations(self) -> list[str]:
@@ -264,8 +330,11 @@ class PrefillBridge:
             )
         return (lo, hi)
 
-    def _checked(self, rid: str, tickets: Mapping[str, bytes | Ticket]) -> dict[str, Ticket]:
-        """Every ticket decoded and checked before anything is sent."""
+    def _checked(
+        self, rid: str, pages: Any, tickets: Mapping[str, bytes | Ticket]
+    ) -> dict[str, tuple[Ticket, KVSpan]]:
+        """Every ticket decoded and checked, and the span each destination
+        gets, before anything is sent."""
         out = {n: self._ticket(n, raw) for n, raw in tickets.items()}
         for name, t in out.items():
             if t.request_id != rid:
@@ -274,7 +343,36 @@ class PrefillBridge:
                 )
         if rid in self._live:
             raise InvalidArgument(f"request {rid!r} is being sent already (it holds a lease)")
-        return out
+        bound = pages if isinstance(pages, KVSpan) else None
+        table = bound if bound is not None else KVSpan(pages, 0, 0)  # copied once
+        return {n: (t, self._span(n, table, bound, t)) for n, t in out.items()}
+
+    def _span(self, name: str, table: KVSpan, bound: KVSpan | None, t: Ticket) -> KVSpan:
+        """What we send for ticket ``t``: our pages, the ticket's tokens and
+        layers, the heads :meth:`send_heads` says.  A span the engine gave
+        bounds them: the ticket may not ask for tokens, layers or heads
+        outside it (its pages do not hold them)."""
+        heads = self.send_heads(name, t)
+        span = table.replace(
+            start=t.start, end=t.end, layers=(t.layer_start, t.layer_end), heads=heads
+        )
+        if bound is not None:
+            b = bound.resolve(self.layout)
+            assert b.layers is not None and b.heads is not None
+            if not (
+                b.start <= t.start
+                and t.end <= b.end
+                and b.layers[0] <= t.layer_start
+                and t.layer_end <= b.layers[1]
+                and b.heads[0] <= heads[0]
+                and heads[1] <= b.heads[1]
+            ):
+                raise InvalidArgument(
+                    f"{name}: the ticket asks for tokens [{t.start}, {t.end}) of layers "
+                    f"[{t.layer_start}, {t.layer_end}), heads {list(heads)}, outside the "
+                    f"span given ({bound!r})"
+                )
+        return span
 
     def send(
         self,
@@ -288,17 +386,20 @@ class PrefillBridge:
     ) -> MultiSend:
         """Send the KV each ticket asks for, to every destination at once.
         Each destination progresses and completes on its own.  ``lease``: how
-        long the pages stay pinned for this send (default ``lease_timeout``)."""
+        long the pages stay pinned for this send (default ``lease_timeout``).
+        ``block_table``: our pages of the request, or a
+        :class:`~kvbridge.span.KVSpan` of them, which also bounds the tokens,
+        layers and heads a ticket may ask for (``InvalidArgument`` before
+        anything moves otherwise)."""
         rid = str(request_id)
-        checked = self._checked(rid, tickets)
+        checked = self._checked(rid, block_table, tickets)
         self.leases.grant(rid, lease)
         out: dict[str, Delivery] = {}
         try:
-            for name, t in checked.items():
+            for name, (t, span) in checked.items():
                 out[name] = self._dests[name].send(
-                    rid, self.cache, block_table, t, self.send_heads(name, t),
-                    priority=priority, timeout=timeout,
-                )  # fmt: skip
+                    rid, self.cache, span, t, priority=priority, timeout=timeout
+                )
         except BaseException as exc:
             self.leases.release(rid)
             for d in out.values():
@@ -332,15 +433,16 @@ class PrefillBridge:
         lease: float | None = None,
     ) -> LayerwiseSend:
         """Start a send whose layers leave as prefill finishes them: call
-        :meth:`LayerwiseSend.layers_ready` after each layer (or group)."""
+        :meth:`LayerwiseSend.layers_ready` after each layer (or group).
+        ``block_table`` as in :meth:`send` (a table or a span)."""
         rid = str(request_id)
-        checked = self._checked(rid, tickets)
+        checked = self._checked(rid, block_table, tickets)
         self.leases.grant(rid, lease)
         feeds: dict[str, LayerFeed] = {}
         try:
-            for name, t in checked.items():
+            for name, (t, span) in checked.items():
                 feeds[name] = self._dests[name].layerwise(
-                    rid, self.cache, block_table, t, self.send_heads(name, t),
+                    rid, self.cache, span, t,
                     priority=priority, timeout=timeout, layer_timeout=layer_timeout,
                 )  # fmt: skip
         except BaseException as exc:

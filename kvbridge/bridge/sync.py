@@ -15,13 +15,14 @@ which never blocks.  docs/engine-integration.md shows the calls in order.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import ssl as _ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -36,6 +37,7 @@ from ..errors import (
     Unavailable,
 )
 from ..pack import PagedKVCache
+from ..span import KVSpan, as_span
 from ..transport.tcp.receiver import ReceiverLimits
 from ..wire.frames import CONTROL_FIRST
 from .decode import DecodeBridge, Expectation
@@ -49,6 +51,9 @@ from .metrics import BridgeMetrics
 from .options import BridgeOptions
 from .prefill import LayerwiseSend, PeerConfig, PrefillBridge
 from .ticket import Ticket
+
+if TYPE_CHECKING:
+    from ..registry.view import Resolver
 
 __all__ = ["BridgeEvents", "SyncBridge", "TransferDone", "TransferFailed"]
 
@@ -93,7 +98,10 @@ class SyncBridge:
     pages, ``call_timeout`` the bound on every blocking call, ``metrics`` a
     :class:`~kvbridge.bridge.metrics.BridgeMetrics` (None: a private one,
     as ``.metrics``).  ``clock`` is the lease clock (tests pass a fake one
-    and call :meth:`expire_leases`).
+    and call :meth:`expire_leases`).  ``resolver`` and ``peer_defaults``:
+    tickets may name destinations by engine id alone, found through a
+    registry view and connected on demand by :meth:`send`
+    (:meth:`kvbridge.bridge.PrefillBridge.reach`).
     """
 
     def __init__(
@@ -118,6 +126,8 @@ class SyncBridge:
         tls_identity: str = "cn_or_san",
         ucx_agent: Any = None,
         ucx_control: tuple[str, int] | None = None,
+        resolver: Resolver | None = None,
+        peer_defaults: PeerConfig | None = None,
     ) -> None:
         if not hasattr(cache, "layout"):
             raise InvalidArgument(f"cache must be a kvbridge.pack.PagedKVCache, not {cache!r}")
@@ -153,6 +163,8 @@ class SyncBridge:
             keepalive_timeout=keepalive_timeout,
             lease_timeout=self.lease_timeout,
             clock=clock,
+            resolver=resolver,
+            peer_defaults=peer_defaults,
         )
         self._clock = clock
         self._lock = threading.Lock()
@@ -360,6 +372,37 @@ class SyncBridge:
 
         lt.call(run, timeout + _CONNECT_SLACK, f"connect({name!r})")
 
+    def reach(self, name: str) -> None:
+        """Make sure destination ``name`` is connected to the incarnation the
+        resolver names now (``resolver=``; a static destination is only
+        checked): connects it, or reconnects it after its engine restarted
+        (a new generation or address), so that CONTROL messages (a decode's
+        tickets) can flow before the first send.  Bounded by
+        ``peer_defaults.connect_timeout``; raises what
+        :meth:`kvbridge.bridge.PrefillBridge.reach` raises (``UnknownPeer``,
+        ``IncompatiblePeer``, the handshake's errors)."""
+        lt = self._running("reach()")
+        rp = self._prefill.resolved if self._prefill is not None else None
+        ct = float(rp.defaults.connect_timeout) if rp is not None else 10.0
+
+        def late(n: str) -> ConnectTimeout:
+            return ConnectTimeout(f"{n}: not connected within {ct:g} s")
+
+        async def run() -> None:
+            self._on_loop_check("reach()")
+            await self._reach(name, ct, late)
+
+        lt.call(run, ct + _CONNECT_SLACK, f"reach({name!r})")
+
+    async def _reach(self, name: str, ct: float, late: Callable[[str], KVBridgeError]) -> None:
+        assert self._prefill is not None
+        before = self._prefill.destinations
+        d = self._prefill.destination(name) if name in before else None
+        await wait_within(self._prefill.reach(name), ct, functools.partial(late, name))
+        if self._prefill.destination(name) is not d:
+            for ft in list(self._control):  # a new connection: its CONTROL handlers
+                self._install_control(ft, only=name)
+
     @property
     def destinations(self) -> list[str]:
         lt = self._running("destinations")
@@ -375,8 +418,8 @@ class SyncBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = ...,
+        end: int | None = ...,
         *,
         layers: tuple[int, int] | None = ...,
         via: str = ...,
@@ -391,8 +434,8 @@ class SyncBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = ...,
+        end: int | None = ...,
         *,
         layers: tuple[int, int] | None = ...,
         via: str = ...,
@@ -406,8 +449,8 @@ class SyncBridge:
         self,
         request_id: str | int,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         *,
         layers: tuple[int, int] | None = None,
         via: str = "tcp",
@@ -419,7 +462,9 @@ class SyncBridge:
         """Expect tokens ``[start, end)`` of a request into our pages
         ``block_table``; returns the ticket (opaque bytes) for the sender.
         The outcome arrives through :meth:`poll` (``received`` or ``failed``,
-        ``peer`` as given here).  The block table is copied.
+        ``peer`` as given here).  The block table is copied.  A
+        :class:`~kvbridge.span.KVSpan` may stand for ``block_table``,
+        ``start``, ``end``, ``layers`` and ``heads``: ``expect(rid, span)``.
 
         With tensor parallelism, ``heads`` is the range of the model's KV
         heads wanted (default all the cache holds) and ``sources`` the
@@ -430,7 +475,7 @@ class SyncBridge:
         when the first part failed (which cancels the others)."""
         lt = self._running("expect()")
         rid = str(request_id)
-        bt = _table(block_table)
+        span = as_span(block_table, start, end, layers, heads, what="expect()")
         _seconds(timeout, "timeout")
         srcs = None if sources is None else list(sources)
 
@@ -444,17 +489,7 @@ class SyncBridge:
             with self._lock:
                 if rid in self._recvs:
                     raise InvalidArgument(f"request {rid!r} is already expected")
-            exp = self._decode.expect(
-                rid,
-                bt,
-                start,
-                end,
-                layers=layers,
-                via=via,
-                timeout=timeout,
-                heads=heads,
-                sources=srcs,
-            )
+            exp = self._decode.expect(rid, span, via=via, timeout=timeout, sources=srcs)
             st = _Recv(rid, peer, exp)
             with self._lock:
                 self._recvs[rid] = st
@@ -494,10 +529,13 @@ class SyncBridge:
         one raises here and nothing moves).  The pages stay leased to
         kvbridge until :meth:`poll` lists the request in ``released`` (at
         most ``lease`` seconds, default ``lease_timeout``, unless renewed).
-        ``layerwise``: the layers leave as :meth:`layers_ready` releases them."""
+        ``layerwise``: the layers leave as :meth:`layers_ready` releases them.
+        ``block_table`` is our pages of the request (copied), or a
+        :class:`~kvbridge.span.KVSpan` of them that also bounds what the
+        tickets may ask for."""
         lt = self._running("send()")
         rid = str(request_id)
-        bt = _table(block_table)
+        bt = _pages(block_table)
         _seconds(timeout, "timeout")
         _seconds(layer_timeout, "layer_timeout")
         tk = {str(n): _ticket_bytes(n, t) for n, t in dict(tickets).items()}
@@ -529,7 +567,23 @@ class SyncBridge:
             group.on_outcome(lambda name, out: self._on_sent(st, name, out))
             group.on_done(lambda _g: self._on_released(st))
 
-        lt.call_fn(run, self.call_timeout, "send()")
+        rp = self._prefill.resolved if self._prefill is not None else None
+        if rp is None:
+            lt.call_fn(run, self.call_timeout, "send()")
+            return
+        # destinations named by engine id: connected (or reconnected) first
+        ct = float(rp.defaults.connect_timeout)
+
+        def late(name: str) -> ConnectTimeout:
+            return ConnectTimeout(f"{name}: not connected within {ct:g} s")
+
+        async def reach_then_run() -> None:
+            self._on_loop_check("send()")
+            for name in tk:
+                await self._reach(name, ct, late)
+            run()
+
+        lt.call(reach_then_run, self.call_timeout + len(tk) * (ct + _CONNECT_SLACK), "send()")
 
     def _on_sent(self, st: _Send, name: str, out: Outcome) -> None:
         rid = st.group.request_id
@@ -699,17 +753,12 @@ def _from_destination(
     return handler
 
 
-def _table(block_table: Any) -> np.ndarray:
-    """A private int32 copy of an engine's block table (list, array or tensor)."""
-    try:
-        if hasattr(block_table, "detach"):  # a torch tensor, on any device
-            block_table = block_table.detach().cpu().numpy()
-        bt = np.array(block_table, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"block_table must be a sequence of page ids: {e}") from None
-    if bt.size and (bt.min() < np.iinfo(np.int32).min or bt.max() > np.iinfo(np.int32).max):
-        raise InvalidArgument("block_table has page ids outside int32")
-    return bt.astype(np.int32)
+def _pages(block_table: Any) -> Any:
+    """An engine's span as it is, or a private, read-only int32 copy of its
+    block table (list, array or tensor), checked in the engine's thread."""
+    if isinstance(block_table, KVSpan):
+        return block_table
+    return KVSpan(block_table, 0, 0).block_table
 
 
 def _seconds(value: float, what: str) -> float:

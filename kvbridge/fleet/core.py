@@ -9,10 +9,19 @@ list), among those not above their share of the requests in flight by more
 than ``load_factor``; a session keeps its main decode while that holds.
 Engines whose lease ends or whose requests fail ``max_failures`` times in a
 row are ejected, and taken back when they register again (a new generation).
+
+Cost per request is O(pages + log engines), independent of the fleet's size
+in the common case: each engine owns a bit (``_Engine.bit``), the prefix
+index maps a page hash to the bit set of the engines holding it (a plain
+``int``, so the index holds no objects for the garbage collector to walk),
+and the least-loaded engine of each role comes from a lazily updated heap.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,11 +30,11 @@ from kvbridge.cache.hashing import page_hashes
 from kvbridge.errors import InvalidArgument, Unavailable
 from kvbridge.registry.records import EngineRecord, Role
 from kvbridge.registry.view import ViewChange
-from kvbridge.router import Decision, Pipeline, Router
+from kvbridge.router import Decision, Pipeline, Reason, Router
 
 __all__ = ["FleetConfig", "FleetRoute", "FleetRouter", "Reroute"]
 
-_EMPTY: frozenset[str] = frozenset()
+_ROLES = (Role.PREFILL, Role.RELAY, Role.MAIN)
 
 
 @dataclass(frozen=True)
@@ -59,13 +68,74 @@ class Reroute:
     engine: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Engine:
+    engine_id: str
     record: EngineRecord
+    bit: int  # 1 << slot
     pages: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
-    active: int = 0
+    active: int = 0  # requests in flight on it (any stage)
+    routed_tokens: int = 0  # prompt tokens of the requests in flight it prefills
     failures: int = 0
     ejected: bool = False
+    roles: tuple[Role, ...] = ()  # the roles it serves
+    queued: int = 0  # prefill work ahead of a new request: reported queue + routed tokens
+
+    def __post_init__(self) -> None:
+        self.update(self.record)
+
+    def update(self, record: EngineRecord) -> None:
+        self.record = record
+        self.roles = tuple(r for r in _ROLES if record.role.serves(r))
+        self.queued = record.load.queued_tokens + self.routed_tokens
+
+    def key(self, role: Role) -> tuple[int, int]:
+        """Its load as the heap of ``role`` orders it (lower is better)."""
+        if role is Role.PREFILL:
+            return (self.queued, 0)
+        load = self.record.load
+        if role is Role.RELAY:
+            return (self.active + load.active_transfers, load.queued_tokens)
+        return (self.active, 0)
+
+
+class _LoadHeap:
+    """The least-loaded eligible engine of one role: a heap of (key, seq,
+    engine) entries, pushed at every change of an engine's key and checked
+    when read (an entry whose key is no longer the engine's is dropped)."""
+
+    def __init__(self, role: Role, members: dict[str, _Engine]) -> None:
+        self.role = role
+        self.members = members  # the eligible engines of the role
+        self._heap: list[tuple[tuple[int, int], int, _Engine]] = []
+        self._seq = itertools.count()
+
+    def push(self, eng: _Engine) -> None:
+        heap = self._heap
+        if len(heap) > 4 * len(self.members) + 64:  # mostly stale entries: start afresh
+            heap[:] = [(e.key(self.role), next(self._seq), e) for e in self.members.values()]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (eng.key(self.role), next(self._seq), eng))
+
+    def top(self) -> _Engine | None:
+        heap, members = self._heap, self.members
+        while heap:
+            key, _, eng = heap[0]
+            if members.get(eng.engine_id) is eng and key == eng.key(self.role):
+                return eng
+            heapq.heappop(heap)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+def _bits(mask: int):  # type: ignore[no-untyped-def]
+    """The set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low
+        mask ^= low
 
 
 class FleetRouter:
@@ -73,28 +143,41 @@ class FleetRouter:
         self.router = router
         self.config = config or FleetConfig()
         self._engines: dict[str, _Engine] = {}
-        self._holders: dict[bytes, set[str]] = {}  # page hash -> main decodes / prefills holding it
+        self._by_bit: dict[int, _Engine] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._holders: dict[bytes, int] = {}  # page hash -> bits of the engines holding it
+        # the eligible (not ejected) engines serving each role, and their bits
+        self._members: dict[Role, dict[str, _Engine]] = {r: {} for r in _ROLES}
+        self._mask: dict[Role, int] = dict.fromkeys(_ROLES, 0)
+        # the least loaded prefill and relay (main decodes: ``_by_active``)
+        self._heaps = {r: _LoadHeap(r, self._members[r]) for r in (Role.PREFILL, Role.RELAY)}
+        self._active_total = 0  # requests in flight on eligible main decodes
+        self._by_active: dict[int, int] = {}  # requests in flight -> bits of those main decodes
+        self._turn = 0  # ties go round: the first candidate bit at or above this slot
         self._sessions: dict[str, str] = {}
         self._inflight: dict[str, FleetRoute] = {}
-        self._eligible: dict[Role, list[str]] = {}  # cleared whenever membership changes
+        self._routed: dict[str, int] = {}  # request -> its prompt tokens
 
     # --- the view's feed ----------------------------------------------------
     def apply(self, change: ViewChange) -> list[Reroute]:
         """A registry view change; returns the re-routing of requests in
         flight on an engine that left."""
         eid = change.engine_id
-        self._eligible.clear()
         if change.record is None:
             return self._lose(eid)
         eng = self._engines.get(eid)
+        reroutes: list[Reroute] = []
         if eng is None or change.restarted:
-            reroutes = self._lose(eid) if eng is not None else []
-            eng = self._engines[eid] = _Engine(change.record)
+            if eng is not None:
+                reroutes = self._lose(eid)
+            eng = self._add(eid, change.record)
         else:
-            reroutes = []
-            eng.record = change.record
+            self._leave_roles(eng)
+            eng.update(change.record)
+            self._join_roles(eng)
         for h in change.record.prefixes:
-            self._note(eid, eng, h)
+            self._note(eng, h)
         return reroutes
 
     # --- routing -------------------------------------------------------------
@@ -112,18 +195,26 @@ class FleetRouter:
         if hashes is None:
             hashes = page_hashes(tokens, self.config.page_tokens)
         pt = self.config.page_tokens
-        matches = self._matches(hashes)
-        main = self._pick_main(matches, session)
-        prefill = self._pick_prefill(matches, len(tokens))
-        matched = matches.get(main, 0) * pt
-        pre = self._engines[prefill].record.load.queued_tokens
+        levels = self._levels(hashes)
+        main, main_pages = self._pick_main(levels, session)
+        prefill, prefill_pages = self._pick_prefill(levels)
+        n = len(tokens)
+        matched = min(main_pages * pt, n)
         decision = self.router.decide(
-            request_id, len(tokens), min(matched, len(tokens)), expected_output_tokens,
-            compute_tokens=len(tokens) - matches.get(prefill, 0) * pt, queued_tokens=pre,
+            request_id, n, matched, expected_output_tokens,
+            compute_tokens=n - min(prefill_pages * pt, n),
+            queued_tokens=prefill.record.load.queued_tokens,
         )  # fmt: skip
-        relay = self._pick(Role.RELAY) if decision.pipeline is Pipeline.P_RLD_MD else None
-        route = FleetRoute(request_id, prefill, relay, main, matched, decision)
-        self._begin(route, hashes, session)
+        relay = None
+        if decision.pipeline is Pipeline.P_RLD_MD:
+            if self._members[Role.RELAY]:
+                relay = self._least(Role.RELAY).engine_id
+            else:  # no relay in the fleet: the main decode serves it alone
+                decision = dataclasses.replace(
+                    decision, pipeline=Pipeline.P_MD, reason=Reason.NO_RELAY
+                )
+        route = FleetRoute(request_id, prefill.engine_id, relay, main.engine_id, matched, decision)
+        self._begin(route, n, hashes, main_pages, prefill_pages, session)
         return route
 
     def finish(self, request_id: str, *, failed_on: str | None = None) -> None:
@@ -131,132 +222,234 @@ class FleetRouter:
         route = self._inflight.pop(request_id, None)
         if route is None:
             return
+        n = self._routed.pop(request_id, 0)
         for eid in {route.prefill, route.main, route.relay} - {None}:
             eng = self._engines.get(eid)  # type: ignore[arg-type]
             if eng is None:
                 continue
-            eng.active = max(eng.active - 1, 0)
+            self._load(eng, -1, -n if eid == route.prefill else 0)
             if eid == failed_on:
                 eng.failures += 1
-                if eng.failures >= self.config.max_failures:
+                if eng.failures >= self.config.max_failures and not eng.ejected:
+                    self._leave_roles(eng)
                     eng.ejected = True
-                    self._eligible.clear()
             elif failed_on is None:
                 eng.failures = 0
 
     def eligible(self, role: Role) -> list[str]:
-        got = self._eligible.get(role)
-        if got is None:
-            got = self._eligible[role] = [
-                e for e, g in self._engines.items() if not g.ejected and g.record.role.serves(role)
-            ]
-        return got
+        return list(self._members[role])
 
     @property
     def inflight(self) -> int:
         return len(self._inflight)
 
-    # --- internals -----------------------------------------------------------
-    def _matches(self, hashes: Sequence[bytes]) -> dict[str, int]:
-        """Leading pages each engine holds (set intersections, page by page)."""
-        best: dict[str, int] = {}
-        if not hashes:
-            return best
+    # --- choices -------------------------------------------------------------
+    def _levels(self, hashes: Sequence[bytes]) -> list[int]:
+        """``levels[i]``: the bits of the engines holding the request's first
+        ``i + 1`` pages (each level a subset of the one before)."""
         holders = self._holders
-        cand = holders.get(hashes[0])
-        if not cand:
-            return best
-        cand = set(cand)
-        i = 1
-        for h in hashes[1:]:
-            nxt = cand & holders.get(h, _EMPTY)
-            if len(nxt) != len(cand):
-                for eid in cand - nxt:
-                    best[eid] = i
-            cand = nxt
+        levels: list[int] = []
+        cand = -1
+        for h in hashes:
+            cand &= holders.get(h, 0)
             if not cand:
                 break
-            i += 1
-        for eid in cand:
-            best[eid] = i
-        return best
+            levels.append(cand)
+        return levels
 
-    def _pick_main(self, matches: dict[str, int], session: str | None) -> str:
-        mains = self.eligible(Role.MAIN)
-        if not mains:
+    def _pick_main(self, levels: list[int], session: str | None) -> tuple[_Engine, int]:
+        members = self._members[Role.MAIN]
+        if not members:
             raise Unavailable("no main decode in the fleet")
-        total = sum(self._engines[m].active for m in mains) + 1
-        cap = self.config.load_factor * total / len(mains)
-        fits = [m for m in mains if self._engines[m].active + 1 <= cap] or mains
+        cap = self.config.load_factor * (self._active_total + 1) / len(members)
+        # the main decodes by requests in flight, least first; those within the cap
+        buckets = sorted(self._by_active.items())
+        fit = [(a, m) for a, m in buckets if a + 1 <= cap] or buckets  # none fits: all
+        fit_mask = 0
+        for _, m in fit:
+            fit_mask |= m
         if session is not None:
-            kept = self._sessions.get(session)
-            if kept in fits:
-                return kept
-        return max(fits, key=lambda m: (matches.get(m, 0), -self._engines[m].active))
+            kept = members.get(self._sessions.get(session, ""))
+            if kept is not None and kept.bit & fit_mask:
+                return kept, _depth(levels, kept.bit)
+        for i in range(len(levels) - 1, -1, -1):
+            held = levels[i] & fit_mask
+            if held:  # the deepest level held by one that fits: its least loaded
+                return self._by_bit[self._next(_least_of(held, fit))], i + 1
+        return self._by_bit[self._next(_least_of(fit_mask, fit))], 0
 
-    def _pick_prefill(self, matches: dict[str, int], n_tokens: int) -> str:
-        prefills = self.eligible(Role.PREFILL)
-        if not prefills:
-            raise Unavailable("no prefill in the fleet")
+    def _next(self, tied: int) -> int:
+        """One bit of ``tied`` (engines equal for the choice), in turn, so that
+        new prefixes spread over equal engines instead of piling on one."""
+        later = tied & ~((1 << self._turn) - 1)
+        m = later or tied
+        bit = m & -m
+        self._turn = bit.bit_length()
+        return bit
+
+    def _pick_prefill(self, levels: list[int]) -> tuple[_Engine, int]:
+        """Least queued work less what its prefix index holds: the deepest
+        levels first, stopping when no shallower engine can do better than
+        the best so far (the least-loaded engine bounds them)."""
+        least = self._least(Role.PREFILL)
+        floor = least.queued
         pt = self.config.page_tokens
-        engines = self._engines
-        best, best_work = prefills[0], None
-        for p in prefills:
-            eng = engines[p]
-            w = eng.record.load.queued_tokens + eng.active * n_tokens
-            if matches:
-                w -= matches.get(p, 0) * pt
-            if best_work is None or w < best_work:
-                best, best_work = p, w
-        return best
+        best, best_pages = least, _depth(levels, least.bit)
+        best_w = floor - best_pages * pt
+        mask = self._mask[Role.PREFILL]
+        seen = 0
+        for i in range(len(levels) - 1, -1, -1):
+            if best_w <= floor - (i + 1) * pt:
+                break  # nobody holding at most i + 1 pages beats it
+            for bit in _bits(levels[i] & mask & ~seen):
+                eng = self._by_bit[bit]
+                w = eng.queued - (i + 1) * pt
+                if w < best_w:
+                    best, best_pages, best_w = eng, i + 1, w
+            seen |= levels[i]
+        return best, best_pages
 
-    def _pick(self, role: Role) -> str:
-        cands = self.eligible(role)
-        if not cands:
+    def _least(self, role: Role) -> _Engine:
+        if role is Role.MAIN:
+            if not self._by_active:
+                raise Unavailable("no main decode in the fleet")
+            return self._by_bit[_lowest(min(self._by_active.items())[1])]
+        eng = self._heaps[role].top()
+        if eng is None:
             raise Unavailable(f"no {role.value} in the fleet")
+        return eng
 
-        def load(e: str) -> tuple[int, int]:
-            g = self._engines[e]
-            return (g.active + g.record.load.active_transfers, g.record.load.queued_tokens)
-
-        return min(cands, key=load)
-
-    def _begin(self, route: FleetRoute, hashes: Sequence[bytes], session: str | None) -> None:
+    # --- bookkeeping ---------------------------------------------------------
+    def _begin(
+        self,
+        route: FleetRoute,
+        n_tokens: int,
+        hashes: Sequence[bytes],
+        main_pages: int,
+        prefill_pages: int,
+        session: str | None,
+    ) -> None:
         self._inflight[route.request_id] = route
+        self._routed[route.request_id] = n_tokens
         for eid in {route.prefill, route.main, route.relay} - {None}:
-            self._engines[eid].active += 1  # type: ignore[index]
-        for eid in (route.main, route.prefill):
-            eng = self._engines[eid]
-            pages = eng.pages
-            for h in hashes:
-                if h not in pages:  # first-in first-out: no reordering per request
-                    self._note(eid, eng, h)
+            self._load(
+                self._engines[eid],  # type: ignore[index]
+                1,
+                n_tokens if eid == route.prefill else 0,
+            )
+        self._hold(self._engines[route.main], hashes, main_pages)
+        if route.prefill != route.main:
+            self._hold(self._engines[route.prefill], hashes, prefill_pages)
         if session is not None:
             self._sessions[session] = route.main
 
-    def _note(self, eid: str, eng: _Engine, h: bytes) -> None:
+    def _load(self, eng: _Engine, active: int, routed_tokens: int) -> None:
+        was = eng.active
+        eng.active = max(eng.active + active, 0)
+        if eng.active != was and not eng.ejected and Role.MAIN in eng.roles:
+            self._unbucket(eng, was)
+            self._bucket(eng)
+        if routed_tokens:
+            eng.routed_tokens = max(eng.routed_tokens + routed_tokens, 0)
+            eng.queued = eng.record.load.queued_tokens + eng.routed_tokens
+        if not eng.ejected:
+            for role in eng.roles:
+                if role is Role.MAIN:
+                    self._active_total = max(self._active_total + active, 0)
+                else:
+                    self._heaps[role].push(eng)
+
+    def _hold(self, eng: _Engine, hashes: Sequence[bytes], held: int) -> None:
+        """``eng`` now holds every page of ``hashes``: the first ``held`` it
+        held already (refreshed in its LRU order), the rest are added."""
+        pages = eng.pages
+        for h in hashes[:held]:
+            if h in pages:
+                pages.move_to_end(h)
+        holders = self._holders
+        bit = eng.bit
+        for h in hashes[held:]:
+            if h in pages:
+                pages.move_to_end(h)
+            else:
+                pages[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        self._evict(eng)
+
+    def _note(self, eng: _Engine, h: bytes) -> None:
         if h in eng.pages:
             eng.pages.move_to_end(h)
             return
         eng.pages[h] = None
-        self._holders.setdefault(h, set()).add(eid)
-        if len(eng.pages) > self.config.max_pages_per_engine:
-            old, _ = eng.pages.popitem(last=False)
-            self._forget(eid, old)
+        self._holders[h] = self._holders.get(h, 0) | eng.bit
+        self._evict(eng)
 
-    def _forget(self, eid: str, h: bytes) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.discard(eid)
-            if not holders:
-                del self._holders[h]
+    def _evict(self, eng: _Engine) -> None:
+        pages, limit = eng.pages, self.config.max_pages_per_engine
+        while len(pages) > limit:
+            old, _ = pages.popitem(last=False)
+            self._forget(eng.bit, old)
+
+    def _forget(self, bit: int, h: bytes) -> None:
+        rest = self._holders.get(h, 0) & ~bit
+        if rest:
+            self._holders[h] = rest
+        else:
+            self._holders.pop(h, None)
+
+    def _add(self, eid: str, record: EngineRecord) -> _Engine:
+        if self._free_slots:
+            slot = heapq.heappop(self._free_slots)
+        else:
+            slot = self._next_slot
+            self._next_slot += 1
+        eng = _Engine(eid, record, 1 << slot)
+        self._engines[eid] = eng
+        self._by_bit[eng.bit] = eng
+        self._join_roles(eng)
+        return eng
+
+    def _join_roles(self, eng: _Engine) -> None:
+        if eng.ejected:
+            return
+        for role in eng.roles:
+            self._members[role][eng.engine_id] = eng
+            self._mask[role] |= eng.bit
+            if role is not Role.MAIN:
+                self._heaps[role].push(eng)
+        if Role.MAIN in eng.roles:
+            self._active_total += eng.active
+            self._bucket(eng)
+
+    def _leave_roles(self, eng: _Engine) -> None:
+        if eng.ejected:
+            return
+        for role in eng.roles:
+            if self._members[role].pop(eng.engine_id, None) is not None:
+                self._mask[role] &= ~eng.bit
+        if Role.MAIN in eng.roles:
+            self._active_total = max(self._active_total - eng.active, 0)
+            self._unbucket(eng, eng.active)
+
+    def _bucket(self, eng: _Engine) -> None:
+        self._by_active[eng.active] = self._by_active.get(eng.active, 0) | eng.bit
+
+    def _unbucket(self, eng: _Engine, active: int) -> None:
+        rest = self._by_active.get(active, 0) & ~eng.bit
+        if rest:
+            self._by_active[active] = rest
+        else:
+            self._by_active.pop(active, None)
 
     def _lose(self, eid: str) -> list[Reroute]:
         eng = self._engines.pop(eid, None)
         if eng is None:
             return []
+        self._leave_roles(eng)
         for h in eng.pages:
-            self._forget(eid, h)
+            self._forget(eng.bit, h)
+        del self._by_bit[eng.bit]
+        heapq.heappush(self._free_slots, eng.bit.bit_length() - 1)
         for s in [s for s, m in self._sessions.items() if m == eid]:
             del self._sessions[s]
         out: list[Reroute] = []
@@ -273,11 +466,39 @@ class FleetRouter:
                 continue
             stage = "prefill" if r.prefill == eid else "main"
             try:
-                new = self._pick_prefill({}, 0) if stage == "prefill" else self._pick_main({}, None)
+                new = self._least(Role.PREFILL if stage == "prefill" else Role.MAIN)
             except Unavailable:
                 continue  # nothing to move it to: the caller fails the request
-            prefill, main = (new, r.main) if stage == "prefill" else (r.prefill, new)
+            prefill, main = (
+                (new.engine_id, r.main) if stage == "prefill" else (r.prefill, new.engine_id)
+            )
             self._inflight[rid] = FleetRoute(rid, prefill, r.relay, main, 0, r.decision)
-            self._engines[new].active += 1
-            out.append(Reroute(rid, stage, new))
+            self._load(new, 1, self._routed.get(rid, 0) if stage == "prefill" else 0)
+            out.append(Reroute(rid, stage, new.engine_id))
         return out
+
+
+def _least_of(mask: int, buckets: list[tuple[int, int]]) -> int:
+    """The bits of ``mask`` in the least loaded bucket (``buckets``: load ->
+    bits, least first)."""
+    for _, m in buckets:
+        got = mask & m
+        if got:
+            return got
+    raise AssertionError("mask outside the buckets")  # pragma: no cover
+
+
+def _lowest(mask: int) -> int:
+    return mask & -mask
+
+
+def _depth(levels: list[int], bit: int) -> int:
+    """How many leading pages the engine with ``bit`` holds."""
+    lo, hi = 0, len(levels)  # levels are nested: binary search for the last one with ``bit``
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if levels[mid] & bit:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

@@ -75,8 +75,8 @@ class VllmDemo:
 
     seeds: tuple[int, ...] = (0, 1, 2)
     loads: tuple[float, ...] = (1.0, 1.5)
-    sessions: int = 4  # per seed: 12 sessions in all
-    turns: int = 5  # at most, per session: 60 requests per pipeline and load in all
+    sessions: int = 5  # per seed: 15 sessions in all
+    turns: int = 5  # at most, per session: 63 requests per pipeline and load in all
     output_tokens: tuple[int, int] = (48, 160)
     output_median_tokens: int = 72
     system_tokens: tuple[int, int] = (320, 448)
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt", type=float, help="WAN round trip in ms (default 40)")
     p.add_argument("--seeds", help="comma-separated trace seeds (default 0,1,2)")
     p.add_argument("--loads", help="comma-separated load points (default 1,1.5)")
-    p.add_argument("--sessions", type=int, help="sessions per seed (default 4)")
+    p.add_argument("--sessions", type=int, help="sessions per seed (default 5)")
     p.add_argument("--pipelines")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ...errors import BufferTooSmall, InvalidArgument
+from ...span import KVSpan, as_span
 
 __all__ = ["BytesSink", "BytesSource", "KVSink", "KVSource", "Sink", "Source"]
 
@@ -195,13 +196,17 @@ class BytesSink:
 
 
 class _KVBase:
+    """The wire bytes of one :class:`~kvbridge.span.KVSpan` of a cache (or
+    of the five values it stands for: ``block_table, start, end, layers,
+    heads``), checked once."""
+
     def __init__(
         self,
         cache: Any,
         block_table: Any,
-        start: int,
-        end: int,
-        layers: tuple[int, int] | None,
+        start: int | None = None,
+        end: int | None = None,
+        layers: tuple[int, int] | None = None,
         heads: tuple[int, int] | None = None,
         *,
         num_threads: int = 1,
@@ -209,10 +214,7 @@ class _KVBase:
         from ... import pack as _pack  # the C++ core, loaded with the first KV source
 
         self._pack: Any = _pack
-        layout = cache.layout
-        l0, l1 = layout.layer_range(layers)
-        if not 0 <= start <= end:
-            raise InvalidArgument(f"bad token range [{start}, {end})")
+        span = as_span(block_table, start, end, layers, heads, what=type(self).__name__)
         if num_threads < 0:
             raise InvalidArgument(f"num_threads must be >= 0, got {num_threads}")
         # threads of one pack or unpack call (0: the core's own choice); the
@@ -220,25 +222,21 @@ class _KVBase:
         # thread per chunk keeps the cores from being oversubscribed
         self.num_threads = num_threads
         self.cache = cache
-        self.block_table = block_table
-        self.start, self.end = start, end
-        self.layers = (l0, l1)
-        self.heads = layout.check_heads(heads)  # LayoutError outside the cache's heads
-        # Checked once per transfer (block table converted once); each chunk
-        # checks only its slice.
-        self.range = cache.range(
-            block_table,
-            start,
-            end,
-            layers=(l0, l1),
-            heads=self.heads,
-            writable=isinstance(self, KVSink),
-        )
+        layout = cache.layout
+        # Checked once per transfer (the span's table, copied once, handed on);
+        # each chunk checks only its slice.  LayoutError outside the cache's
+        # layers or heads.
+        self.range = cache.range(span, writable=isinstance(self, KVSink))
+        self.span: KVSpan = self.range.span
+        self.block_table = span.block_table
+        self.start, self.end = span.start, span.end
+        l0, l1 = self.layers = self.range.layers
+        self.heads = self.range.heads
         self.nbytes = int(self.range.nbytes)
         self.itemsize = layout.itemsize
         # binds the head range: an OPEN of other heads is refused (protocol.md 7)
         self.layout_hash = layout.transfer_hash(self.heads)
-        self.token_range = (start, end)
+        self.token_range = (self.start, self.end)
         self.layer_range = (l0, l1)
         # the pack core computes (checks) XXH3-64 in the copy on the CPU path
         self._one_pass = not getattr(cache, "is_cuda", False)

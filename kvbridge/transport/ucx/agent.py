@@ -43,6 +43,7 @@ from ...errors import (
     ucs_error,
 )
 from ...layout import KVLayout, MemoryOrder
+from ...span import KVSpan, as_span
 from ..deadlines import Deadlines
 from .expect import Expect, Expectations
 from .handle import TransferHandle
@@ -305,8 +306,8 @@ class UcxAgent:
         self,
         request_id: str,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         layers: tuple[int, int] | None = None,
         *,
         timeout: float | None = None,
@@ -314,25 +315,27 @@ class UcxAgent:
         heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Expect tokens ``[start, end)`` of ``layers`` of ``request_id`` into our
-        pages ``block_table``.  The handle completes when every layer of the
-        range has landed (it may arrive in several layer-range sends).
-        ``heads``: the model's KV heads ``[h0, h1)`` this expectation takes
-        (default all the cache holds); one request may be expected once per
-        head range, each from its own sender."""
+        pages ``block_table`` (or a :class:`~kvbridge.span.KVSpan` in place of
+        the five: ``expect(rid, span)``).  The handle completes when every
+        layer of the range has landed (it may arrive in several layer-range
+        sends).  ``heads``: the model's KV heads ``[h0, h1)`` this
+        expectation takes (default all the cache holds); one request may be
+        expected once per head range, each from its own sender."""
         if self._loop is None or self._closed:
             self._loop_now()
         lay = self.layout
         rid = request_id if type(request_id) is str else str(request_id)
+        span = as_span(block_table, start, end, layers, heads, what="UcxAgent.expect()")
+        heads = span.heads
         hr = lay.head_range if heads is None else lay.check_heads(heads)  # LayoutError outside
         key = (rid, hr)
         if key in self._expectations:
             raise InvalidArgument(f"request {rid!r} (heads [{hr[0]}, {hr[1]})) is already expected")
-        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
-        if not 0 <= start <= end:
-            raise LayoutError(f"bad token range [{start}, {end})")
-        bt = as_table(block_table)
+        l0, l1 = lay.layer_range(span.layers)
+        start, end = span.start, span.end
+        bt = as_table(span.block_table)
         if lay.order is MemoryOrder.STRIDED:  # the cache maps its own block table
-            self._cache.range(bt, start, end, layers=(l0, l1), heads=hr)  # raises PageIndexError
+            self._cache.range(span.replace(layers=(l0, l1), heads=hr))  # raises PageIndexError
         else:
             check_table(self._geometry, bt, start, end)  # raises PageIndexError
         if heads is None:  # all our heads: one token of one layer is token_bytes
@@ -572,22 +575,21 @@ class UcxAgent:
     def _put_range(
         self,
         peer: UcxPeer,
-        block_table: Any,
+        span: KVSpan,
         remote_block_table: Any,
-        start: int,
-        end: int,
-        l0: int,
-        l1: int,
         rid: str,
         min_mean_run: int,
     ) -> tuple[int, int, int, int] | None:
-        """Compute the coalesced runs of a range (in C++) and post them, their
-        flush and then the DONE of ``rid`` (encoded in C++); progress inline
-        for up to ``busy_poll_us``.  Returns (op, status, runs, bytes), or
-        None when the mean run is shorter than ``min_mean_run`` (nothing
-        posted).  The block tables go to the engine as they are when they
-        are 1-D arrays (the engine converts another integer dtype), else as
-        flat int64 arrays."""
+        """Compute the coalesced runs of ``span`` (resolved; in C++) and post
+        them into the peer's ``remote_block_table``, their flush and then the
+        DONE of ``rid`` (encoded in C++); progress inline for up to
+        ``busy_poll_us``.  Returns (op, status, runs, bytes), or None when the
+        mean run is shorter than ``min_mean_run`` (nothing posted).  The block
+        tables go to the engine as they are when they are 1-D arrays (the
+        engine converts another integer dtype), else as flat int64 arrays."""
+        assert span.layers is not None
+        block_table, start, end = span.block_table, span.start, span.end
+        l0, l1 = span.layers
         if peer._plan is None:
             self._run_plan(peer)
         rid_bytes = rid.encode()

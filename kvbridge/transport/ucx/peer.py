@@ -11,6 +11,7 @@ import numpy as np
 
 from ...errors import Cancelled, KVBridgeError, LayoutError, PageIndexError, code_for_error
 from ...layout import KVLayout
+from ...span import as_span
 from .handle import TransferHandle
 from .messages import Kind, Message
 from .metadata import AgentMetadata, RegionKind
@@ -75,8 +76,8 @@ class UcxPeer:
         request_id: str,
         block_table: Any,
         remote_block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         layers: tuple[int, int] | None = None,
         *,
         timeout: float | None = None,
@@ -84,7 +85,10 @@ class UcxPeer:
         heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
         """Send tokens ``[start, end)`` of layers ``layers`` (all when None) from
-        our pages ``block_table`` into the peer's pages ``remote_block_table``.
+        our pages ``block_table`` into the peer's pages ``remote_block_table``
+        (or a :class:`~kvbridge.span.KVSpan` of ours in place of
+        ``block_table``, ``start``, ``end``, ``layers`` and ``heads``:
+        ``send(rid, span, remote_block_table)``).
         ``heads``: the model's KV heads ``[h0, h1)`` to send (default all our
         cache holds; the receiver expects exactly these).  ``path`` forces
         "put" or "staging"; by default the put path is taken when both
@@ -94,18 +98,16 @@ class UcxPeer:
             raise self.error
         host = self._host
         host._check_open()
+        span = as_span(block_table, start, end, layers, heads, what="UcxPeer.send()")
         lay = host.layout
         rid = request_id if type(request_id) is str else str(request_id)
         if rid in self._aborted:
             raise self._aborted[rid]
-        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
-        if heads is None:
-            whole, hr = True, None
-        else:
-            hr = lay.check_heads(heads)  # LayoutError outside
-            whole = hr == lay.head_range
-        if not 0 <= start <= end:
-            raise LayoutError(f"bad token range [{start}, {end})")
+        whole = span.heads is None
+        span = span.resolve(lay)  # LayoutError outside our layers or heads
+        assert span.layers is not None and span.heads is not None
+        l0, l1 = span.layers
+        whole = whole or span.heads == lay.head_range
         deadline = timeout or host._timeout
         if path == "put" and not whole:
             raise LayoutError("the put path sends whole pages: a head sub-range goes staged")
@@ -115,17 +117,7 @@ class UcxPeer:
                 staging = host._staging
                 if staging.usable and staging.pack_module() is not None:
                     min_run = host._min_put_run_bytes
-            posted = host._put_range(
-                self,
-                block_table,
-                remote_block_table,
-                start,
-                end,
-                l0,
-                l1,
-                rid,
-                min_run,
-            )
+            posted = host._put_range(self, span, remote_block_table, rid, min_run)
             if posted is not None:  # else the runs are tiny: staged instead
                 op, status, nruns, nbytes = posted
                 if status == 0:  # flushed at the target and its DONE sent, inline
@@ -135,30 +127,31 @@ class UcxPeer:
             raise LayoutError("the put path needs both caches to have the same memory layout")
         staging = host._staging
         staging.require(self)
-        if hr is None:
-            hr = lay.head_range
-        h = host._new_handle(rid, "send", lay.wire_nbytes(end - start, (l0, l1), hr), deadline)
+        h = host._new_handle(
+            rid, "send", lay.wire_nbytes(span.num_tokens, (l0, l1), span.heads), deadline
+        )
         h.owner = self
         h.stats.path = "staging"
         self._track(h)
-        staging.start_send(self, h, block_table, start, end, l0, l1, hr)
+        staging.start_send(self, h, span)
         return h
 
     def expect(
         self,
         request_id: str,
         block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         layers: tuple[int, int] | None = None,
         *,
         timeout: float | None = None,
+        heads: tuple[int, int] | None = None,
     ) -> TransferHandle:
-        """Expect ``request_id`` from this peer (fails with PeerGone if it dies)."""
+        """Expect ``request_id`` from this peer (fails with PeerGone if it
+        dies); a :class:`~kvbridge.span.KVSpan` may stand for the range."""
         self._check()
-        return self._host.expect(
-            request_id, block_table, start, end, layers, timeout=timeout, peer=self
-        )
+        span = as_span(block_table, start, end, layers, heads, what="UcxPeer.expect()")
+        return self._host.expect(request_id, span, timeout=timeout, peer=self)
 
     def abort(self, request_id: str, error: KVBridgeError | None = None) -> None:
         """Abort ``request_id`` at the peer (its expect fails with the error
@@ -182,8 +175,8 @@ class UcxPeer:
         self,
         block_table: Any,
         remote_block_table: Any,
-        start: int,
-        end: int,
+        start: int | None = None,
+        end: int | None = None,
         layers: tuple[int, int] | None = None,
     ) -> PreparedSend:
         """A put-path send of tokens ``[start, end)`` of ``layers`` from our
@@ -192,18 +185,19 @@ class UcxPeer:
         with :meth:`PreparedSend.post` (each post under its own request
         id): what NIXL's prepared transfer handles are to its users.  Both
         caches must have the same memory layout (``LayoutError``
-        otherwise); bad pages raise ``PageIndexError`` here, not at a post."""
+        otherwise); bad pages raise ``PageIndexError`` here, not at a post.
+        A :class:`~kvbridge.span.KVSpan` of ours (all heads) may stand for
+        ``block_table``, ``start``, ``end`` and ``layers``."""
         self._check()
         host = self._host
-        lay = host.layout
-        l0, l1 = (0, lay.num_layers) if layers is None else lay.layer_range(layers)
-        if not 0 <= start <= end:
-            raise LayoutError(f"bad token range [{start}, {end})")
+        span = as_span(block_table, start, end, layers, None, what="prepare_send()")
+        l0, l1 = host.layout.layer_range(span.layers)
+        start, end = span.start, span.end
         if not self.same_layout:
             raise LayoutError(
                 "a prepared send takes the put path: both caches need the same layout"
             )
-        bt, rbt = as_table(block_table), as_table(remote_block_table)
+        bt, rbt = as_table(span.block_table), as_table(remote_block_table)
         try:
             prepared = host._run_plan(self).prepare(bt, rbt, start, end, l0, l1)
         except IndexError as e:

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import KVBridgeError, RemoteProtocolError, Unavailable
 from ...layout import KVLayout
+from ...span import KVSpan
 from .expect import Expect
 from .handle import TransferHandle
 from .messages import Kind, Message, encode_message, heads_blob
@@ -146,18 +147,9 @@ class Staging:
             q.put_nowait(m)
 
     # ---- sending ----------------------------------------------------------------------
-    def start_send(
-        self,
-        peer: UcxPeer,
-        h: TransferHandle,
-        bt: Any,
-        start: int,
-        end: int,
-        l0: int,
-        l1: int,
-        heads: tuple[int, int] | None = None,
-    ) -> None:
-        self._spawn(self._send(peer, h, bt, start, end, l0, l1, heads), h)
+    def start_send(self, peer: UcxPeer, h: TransferHandle, span: KVSpan) -> None:
+        """Send ``span`` (resolved) of our cache through the staging slots."""
+        self._spawn(self._send(peer, h, span), h)
 
     def _head_kw(self, heads: tuple[int, int] | None) -> dict[str, Any]:
         """``heads=`` for the pack calls when it is a sub-range of the cache's
@@ -166,17 +158,10 @@ class Staging:
             return {}
         return {"heads": tuple(heads)}
 
-    async def _send(
-        self,
-        peer: UcxPeer,
-        h: TransferHandle,
-        bt: Any,
-        start: int,
-        end: int,
-        l0: int,
-        l1: int,
-        heads: tuple[int, int] | None,
-    ) -> None:
+    async def _send(self, peer: UcxPeer, h: TransferHandle, span: KVSpan) -> None:
+        assert span.layers is not None
+        l0, l1 = span.layers
+        bt, start, end, heads = span.block_table, span.start, span.end, span.heads
         host = self._host
         pack = self.pack_module().pack
         assert self.buffer is not None and self._slots is not None
