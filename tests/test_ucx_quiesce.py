@@ -78,27 +78,34 @@ async def until_landing(cache: list[np.ndarray], what: Any) -> None:
 
 
 async def pair(**kw: Any) -> tuple[Any, Any, Any, list[np.ndarray], list[np.ndarray]]:
+    from kvbridge import pack
+
     src, dst = make_cache(LAY, PAGES, 3), make_cache(LAY, PAGES, None)
-    a = ucx_agent(LAY, src, min_put_run_bytes=0, put_window=2, **kw)
-    b = ucx_agent(LAY, dst, min_put_run_bytes=0, **kw)
+    a = ucx_agent(LAY, src, min_put_run_bytes=0, put_window=2, packer=pack, **kw)
+    b = ucx_agent(LAY, dst, min_put_run_bytes=0, packer=pack, **kw)
     peer = await a.connect(b.metadata())
     return a, b, peer, src, dst
 
 
-@pytest.mark.parametrize("end", ["receiver_cancel", "receiver_deadline", "sender_cancel"])
+@pytest.mark.parametrize(
+    "end", ["receiver_cancel", "receiver_deadline", "sender_cancel", "receiver_cancel_staged"]
+)
 def test_no_byte_lands_after_the_receive_ended(end: str) -> None:
-    """A large put-path transfer is ended in the middle (by the receiver's
-    cancel or deadline, or by the sender's cancel); right after the receive's
-    handle ends its pages are overwritten with a sentinel, and once the
-    sender's handle ended too and more time passed, not one byte of the
-    sentinel has changed."""
+    """A large transfer is ended in the middle (by the receiver's cancel or
+    deadline, or by the sender's cancel; put path, and the staging path
+    whose unpack writes the pages); right after the receive's handle ends
+    its pages are overwritten with a sentinel, and once the sender's handle
+    ended too and more time passed, not one byte of the sentinel has
+    changed."""
 
     async def body() -> None:
-        a, b, peer, _src, dst = await pair()
+        staged = end.endswith("_staged")
+        kw = {"staging_bytes": 1 << 20, "staging_slots": 2} if staged else {}
+        a, b, peer, _src, dst = await pair(**kw)
         rng = np.random.default_rng(1)
         sbt, dbt = rng.permutation(PAGES), rng.permutation(PAGES)  # page-sized runs
         he = b.expect("big", dbt, 0, TOKENS)
-        hs = peer.send("big", sbt, dbt, 0, TOKENS)
+        hs = peer.send("big", sbt, dbt, 0, TOKENS, path="staging" if staged else None)
         assert not hs.done(), "the transfer completed inline: nothing to end in the middle"
         await until_landing(dst, end)
         if end == "receiver_deadline":
@@ -106,12 +113,13 @@ def test_no_byte_lands_after_the_receive_ended(end: str) -> None:
             # passes, called now: in the middle of the transfer, whatever the
             # speed of this machine
             he._expire()
-        elif end == "receiver_cancel":
+        elif end.startswith("receiver_cancel"):
             he.cancel()
         else:
             hs.cancel()
         want = {
             "receiver_cancel": Cancelled,
+            "receiver_cancel_staged": Cancelled,
             "receiver_deadline": TransferTimeout,
             "sender_cancel": TransferAborted,
         }[end]
