@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -363,9 +363,8 @@ class FleetRouter:
         """``eng`` now holds every page of ``hashes``: the first ``held`` it
         held already (refreshed in its LRU order), the rest are added."""
         pages = eng.pages
-        for h in hashes[:held]:
-            if h in pages:
-                pages.move_to_end(h)
+        # held pages are in ``pages`` (a holder's bit is set exactly for its pages)
+        deque(map(pages.move_to_end, hashes[:held]), maxlen=0)
         holders = self._holders
         bit = eng.bit
         for h in hashes[held:]:

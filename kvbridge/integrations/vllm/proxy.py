@@ -1004,10 +1004,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _failed_on(g: _Gen, error: str | None) -> str | None:
     """The engine a failed request blames (its stream's, else its prefill's)."""
     if error is None:
@@ -1016,3 +1012,7 @@ def _failed_on(g: _Gen, error: str | None) -> str | None:
         if b is not None and b.name and b.name in error:
             return b.name
     return g.main.name
+
+
+if __name__ == "__main__":
+    sys.exit(main())
