@@ -6,10 +6,10 @@ with :class:`kvbridge.fleet.FleetRouter` fed by an etcd watch and replays
 closed-loop agent sessions (the reference demo's trace).  When half the
 requests are done, the main decode with the most requests in flight is
 killed (SIGKILL: no goodbye); its lease expires, the view drops it, and the
-router re-routes its requests: each continues on the other main decode (the
-prompt's KV is sent there again and the request decoded again; the client
-keeps the tokens it already has and takes the rest), or is finished by its
-relay when it had one.  Later a new main decode joins.  Every stream is
+router re-routes its requests: each continues on the main decode the router
+names (the prompt's KV is sent there again and the request decoded again; the
+client keeps the tokens it already has, relayed ones included, and takes the
+rest).  Later a new main decode joins.  Every stream is
 checked against the reference engine decoding the request alone.
 
 The processes talk over loopback TCP (no WAN emulator: this demo is about
@@ -401,15 +401,6 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
                     await asyncio.wait(
                         waits, timeout=end - time.monotonic(), return_when=asyncio.FIRST_COMPLETED
                     )
-                if rr.done() and not done.done() and route.relay is not None:
-                    # a relay still decoding a request whose main decode died
-                    # finishes it (the PDD core's failover); one that had handed
-                    # it over already reports its end
-                    while not done.done() and time.monotonic() < end:
-                        rld = client.rld_stats.get(rid)
-                        if rld is not None and not rld.get("kept"):
-                            break
-                        await asyncio.sleep(0.05)
                 if call.done() and not call.cancelled() and call.exception() is None:
                     rep = call.result()
                     rec.matched_tokens = int(rep["matched"])
@@ -474,7 +465,7 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
                 "to": md,
                 "delivered_before": k,
                 "stall_s": nxt - last,
-                "wait_s": t_fail - last,  # the lease running out, then the re-route
+                "wait_s": t_fail - last,  # until the re-route (the lease running out)
                 "matched": int(rep["matched"]),
             }
 
@@ -613,14 +604,14 @@ def report(res: FleetResult) -> list[str]:
             f"{res.gone_t - res.kill_t:.1f} s later; {len(on_victim)} requests were on it "
             "(in flight, or routed to it before then): "
             f"{len(fo)} continued on another main decode, {len(rest)} ended without it "
-            f"(relayed, or its last tokens already sent); {res.reroutes} re-routes in all"
+            f"(its stream had ended); {res.reroutes} re-routes in all"
         )
         if fo:
             out.append(
                 f"  their stall (last token before the kill to the next one after): p50 "
                 f"{percentile(stalls, 50):.2f} s, max {max(stalls):.2f} s, against a TTFT p50 of "
-                f"{percentile(normal, 50):.2f} s for the requests not re-routed; of it, the "
-                f"wait for the lease to run out p50 {percentile(waits, 50):.2f} s; tokens "
+                f"{percentile(normal, 50):.2f} s for the requests not re-routed; of it, until "
+                f"the re-route (the lease running out) p50 {percentile(waits, 50):.2f} s; tokens "
                 f"delivered before the kill (decoded again there, not sent again): {delivered}"
             )
         if res.joined:
