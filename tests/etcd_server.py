@@ -40,21 +40,45 @@ def _free_port() -> int:
 class EtcdServer:
     """One etcd member on loopback ports, restartable on the same data dir."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, tls: dict[str, Path] | None = None) -> None:
+        """``tls``: serve clients over TLS and ask for a client certificate
+        (``ca``, ``cert``, ``key``: PEM paths)."""
         self.binary = etcd_binary()
         self.data_dir = data_dir
+        self.tls = tls
         self.port = _free_port()
         self.peer_port = _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def etcdctl(self, *args: str, user: str | None = None) -> str:
+        """Run the etcdctl that ships beside the server against it."""
+        cmd = [str(Path(self.binary).with_name("etcdctl")), f"--endpoints={self.url}"]
+        if self.tls:
+            cmd += [f"--cacert={self.tls['ca']}", f"--cert={self.tls['client_cert']}",
+                    f"--key={self.tls['client_key']}"]  # fmt: skip
+        if user:
+            cmd.append(f"--user={user}")
+        out = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)}: {out.stderr.strip()}")
+        return out.stdout
+
     def start(self, timeout_s: float = 20.0) -> None:
-        url = f"http://127.0.0.1:{self.port}"
+        url = self.url
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls = []
+        if self.tls:
+            tls = ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"]),
+                   "--client-cert-auth", "--trusted-ca-file", str(self.tls["ca"])]  # fmt: skip
         self.proc = subprocess.Popen(
             [self.binary, "--name", "t", "--data-dir", str(self.data_dir),
              "--listen-client-urls", url, "--advertise-client-urls", url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"t={peer}", "--log-level", "error"],
+             "--initial-cluster", f"t={peer}", "--log-level", "error", *tls],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s

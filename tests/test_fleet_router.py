@@ -26,7 +26,7 @@ from kvbridge.registry import (
     new_generation,
 )
 from kvbridge.registry.etcd import EtcdOptions, EtcdRegistration, EtcdWatcher
-from kvbridge.router import Pipeline, Router, RouterConfig
+from kvbridge.router import Pipeline, Reason, Router, RouterConfig
 
 PT = 16
 
@@ -245,3 +245,25 @@ def test_choices_equal_a_brute_force_scan(seed: int) -> None:
             if len(fr.eligible(Role.MAIN)) > 1:
                 fr.apply(ViewChange(gone, None, None))
             fr.apply(ViewChange(f"m{k}", rec(f"m{k}", Role.MAIN), None))
+
+
+def test_new_prefixes_spread_over_equal_engines_and_no_relay_means_p_md() -> None:
+    fr = fleet(n_m=2)
+    a = fr.route("a", list(range(64)), 4, session="A")
+    fr.finish("a")
+    b = fr.route("b", list(range(500, 564)), 4, session="B")
+    fr.finish("b")
+    assert {a.main, b.main} == {"m0", "m1"}  # equal engines: in turn, not both on one
+    # each session's next turn stays where its prefix is
+    assert fr.route("a2", list(range(64)) + [9] * 32, 4, session="A").main == a.main
+    assert fr.route("b2", list(range(500, 564)) + [9] * 32, 4, session="B").main == b.main
+    # the router would relay, but the fleet has no relay: P-MD, said why
+    layout = _layout()
+    lone = FleetRouter(
+        Router(layout, RouterConfig(ttft_target_s=1e-9)), FleetConfig(page_tokens=PT)
+    )
+    for eid, role in (("p", Role.PREFILL), ("m", Role.MAIN)):
+        lone.apply(ViewChange(eid, rec(eid, role), None))
+    route = lone.route("x", list(range(4096)), 2000)
+    assert route.relay is None and route.decision.pipeline is Pipeline.P_MD
+    assert route.decision.reason is Reason.NO_RELAY

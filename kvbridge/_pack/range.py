@@ -175,10 +175,10 @@ class _RangeArgs:
         if not isinstance(cache, PagedKVCache):
             raise InvalidArgument(f"cache must be a PagedKVCache, got {type(cache).__name__}")
         lay = cache.layout
-        self.span = span.resolve(lay)
+        self.span = span.resolve(lay)  # LayoutError outside the cache's layers or heads
         self.start, self.end = span.start, span.end
-        self.layers = lay.layer_range(self.span.layers)
-        self.heads = lay.check_heads(self.span.heads)
+        assert self.span.layers is not None and self.span.heads is not None
+        self.layers, self.heads = self.span.layers, self.span.heads
         h0, h1 = self.heads
         self.core_heads = (
             (0, 0) if self.heads == lay.head_range else (h0 - lay.head_start, h1 - lay.head_start)

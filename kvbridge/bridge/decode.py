@@ -11,40 +11,15 @@ from typing import Any
 from ..errors import InvalidArgument, LayoutError, OverlapError, Unavailable
 from ..layout import tp_head_range
 from ..pack import PagedKVCache
-from ..span import KVSpan, as_span
+from ..span import as_span
 from ..transport.tcp import ReceiverLimits, TcpReceiver
-from ..transport.tcp.kvio import KVSink
 from .handles import Delivery, DeliveryStats
-from .identity import describe, wrap_ucx_metadata
+from .identity import describe
+from .inbound import Expectation, Inbound, TcpInbound, UcxInbound
 from .metrics import BridgeMetrics, BridgeMetricsView
 from .prefill import _view
-from .ticket import Ticket, TicketTransport
 
 __all__ = ["DecodeBridge", "Expectation", "plan_sources", "tp_sources"]
-
-
-class Expectation(Delivery):
-    """An expected transfer: ``ticket`` goes to the prefill side; awaiting it
-    returns once every byte of the range is in the pages.  An expectation
-    of several sources (``expect(..., sources=...)``) has one ticket per
-    source in ``tickets`` (by name) and its parts in ``parts``."""
-
-    tickets: dict[str, bytes]
-    parts: dict[str, Expectation]
-
-    def set_tickets(self, tickets: dict[str, bytes]) -> None:
-        self.tickets = dict(tickets)
-        if not hasattr(self, "parts"):
-            self.parts = {}
-
-    @property
-    def ticket(self) -> bytes:
-        """The ticket of an expectation with one sender."""
-        if len(self.tickets) != 1:
-            raise InvalidArgument(
-                f"this expectation has one ticket per source ({sorted(self.tickets)}): use .tickets"
-            )
-        return next(iter(self.tickets.values()))
 
 
 class DecodeBridge:
@@ -57,7 +32,9 @@ class DecodeBridge:
     process restarts (new metadata, same address).  A transport
     that was not configured, or is not available here, raises
     :class:`~kvbridge.errors.Unavailable` when asked for; there is no silent
-    fallback.
+    fallback.  Each configured transport is one
+    :class:`~kvbridge.bridge.inbound.Inbound` (``inbounds``, by its name);
+    the bridge expects transfers only through them.
 
     ``model_id`` names the model the engine serves; the bridge describes
     itself with it (and its KV dtype, layers and heads) at every handshake and
@@ -90,65 +67,48 @@ class DecodeBridge:
         self.model_id = model_id
         self.description = describe(self.layout, model_id)
         self.metrics = _view(metrics, identity, model_id)
-        self._tcp: TcpReceiver | None = None
+        self.inbounds: dict[str, Inbound] = {}
         if tcp_listen is not None:
-            self._tcp = TcpReceiver(
-                tcp_listen[0],
-                tcp_listen[1],
-                identity=identity,
-                compat_hash=self.layout.compat_hash,
+            self.inbounds["tcp"] = TcpInbound(
+                cache,
+                identity,
+                model_id,
+                tcp_listen,
+                description=self.description,
                 psk=psk,
                 ssl=ssl,
                 allowed_identities=allowed_identities,
                 tls_identity=tls_identity,
-                limits=limits or ReceiverLimits(),
+                limits=limits,
                 keepalive_interval=keepalive_interval,
                 keepalive_timeout=keepalive_timeout,
-                description=self.description,
             )
-        self._want_ucx = ucx
-        # UCX peers prove the same key as TCP's; without one, the bridge takes
-        # unauthenticated peers on both transports alike
-        self._ucx_options = {
-            "identity": identity,
-            "psk": psk,
-            "allow_unauthenticated": psk is None,
-            **(ucx_options or {}),
-        }
-        self._ucx: Any = None
-        # UCX: a TCP endpoint that serves ucx_metadata() to prefills, which
-        # fetch it again to reconnect after this process restarts
-        self._ucx_control_at = ucx_control
-        self._ucx_control: asyncio.Server | None = None
+        if ucx:
+            # UCX peers prove the same key as TCP's; without one, the bridge
+            # takes unauthenticated peers on both transports alike
+            options = {
+                "identity": identity,
+                "psk": psk,
+                "allow_unauthenticated": psk is None,
+                **(ucx_options or {}),
+            }
+            self.inbounds["ucx"] = UcxInbound(
+                cache,
+                identity,
+                model_id,
+                description=self.description,
+                options=options,
+                control=ucx_control,
+            )
 
     async def start(self) -> DecodeBridge:
-        if self._tcp is not None:
-            await self._tcp.start()
-        if self._want_ucx:
-            from ..transport import ucx as _ucx
-
-            if not _ucx.available():
-                raise Unavailable(f"UCX transport requested: {_ucx.unavailable_reason()}")
-            self._ucx = _ucx.UcxAgent(self.layout, self.cache, **self._ucx_options)
-            self._ucx.start()
-            if self._ucx_control_at is not None:
-                from ..transport.ucx.control import serve_metadata
-
-                host, port = self._ucx_control_at
-                self._ucx_control = await serve_metadata(
-                    self._ucx, host, port, blob=self.ucx_metadata()
-                )
+        for inbound in self.inbounds.values():
+            await inbound.start()
         return self
 
     async def close(self) -> None:
-        if self._ucx_control is not None:
-            self._ucx_control.close()
-            await self._ucx_control.wait_closed()
-            self._ucx_control = None
-        if self._tcp is not None:
-            await self._tcp.close()
-        if self._ucx is not None:
-            await self._ucx.close()
+        for inbound in self.inbounds.values():
+            await inbound.close()
 
     async def __aenter__(self) -> DecodeBridge:
         return await self.start()
@@ -156,49 +116,63 @@ class DecodeBridge:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def inbound(self, via: str) -> Inbound:
+        """The receiving transport ``via`` ("tcp" or "ucx"):
+        :class:`~kvbridge.errors.Unavailable` when it was not configured."""
+        got = self.inbounds.get(via)
+        if got is not None:
+            return got
+        if via == "tcp":
+            raise Unavailable("this decode bridge has no TCP listener (tcp_listen=None)")
+        if via == "ucx":
+            raise Unavailable("this decode bridge was not started with ucx=True")
+        raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
+
     # ---- addresses ---------------------------------------------------------------
     @property
     def tcp_address(self) -> tuple[str, int]:
-        if self._tcp is None:
-            raise Unavailable("this decode bridge has no TCP listener (tcp_listen=None)")
-        return (self._tcp.host, self._tcp.port)
+        return self._tcp().endpoint
 
     @property
     def ucx_control_address(self) -> tuple[str, int]:
         """Where this bridge serves its UCX metadata (``ucx_control``): a
         prefill's ``PeerConfig("ucx", host, port)``."""
-        if self._ucx_control is None:
+        at = self._ucx().endpoint if "ucx" in self.inbounds else None
+        if at is None:
             raise Unavailable("this decode bridge serves no UCX metadata (ucx_control=None)")
-        host, port = self._ucx_control.sockets[0].getsockname()[:2]
-        return (str(host), int(port))
+        return at
 
     def ucx_metadata(self) -> bytes:
         """The opaque, versioned bytes a prefill passes to connect: the
         bridge's description around its UCX agent's registration blob
         (docs/protocol.md 8.4)."""
-        return wrap_ucx_metadata(self.description, bytes(self._require_ucx().metadata()))
+        return self._ucx().metadata()
 
     @property
     def tcp_receiver(self) -> TcpReceiver | None:
         """The TCP receiver (``tcp_listen``), for CONTROL messages; None
         without one."""
-        return self._tcp
+        tcp = self.inbounds.get("tcp")
+        return tcp.receiver if isinstance(tcp, TcpInbound) else None
 
     @property
     def ucx_agent(self) -> Any:
         """The UCX agent (ucx=True), to share with a PrefillBridge on this cache."""
-        return self._require_ucx()
+        return self._ucx().agent
 
     @property
     def tcp(self) -> TcpReceiver:
-        if self._tcp is None:
-            raise Unavailable("this decode bridge has no TCP listener (tcp_listen=None)")
-        return self._tcp
+        return self._tcp().receiver
 
-    def _require_ucx(self) -> Any:
-        if self._ucx is None:
-            raise Unavailable("this decode bridge was not started with ucx=True")
-        return self._ucx
+    def _tcp(self) -> TcpInbound:
+        got = self.inbound("tcp")
+        assert isinstance(got, TcpInbound)
+        return got
+
+    def _ucx(self) -> UcxInbound:
+        got = self.inbound("ucx")
+        assert isinstance(got, UcxInbound)
+        return got
 
     # ---- control messages (handoff, prefix negotiation) ------------------------------
     def on_control(self, frame_type: int, handler: Any) -> None:
@@ -239,16 +213,15 @@ class DecodeBridge:
         assert span.heads is not None
         if via not in ("tcp", "ucx"):
             raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
+        inbound = self.inbound(via)
         if sources is None:
-            exp = self._expect_part(rid, span, via, timeout)
+            exp = inbound.expect(rid, span, timeout)
         else:
             plan = plan_sources(span.heads, sources)
             parts: dict[str, Expectation] = {}
             try:
                 for name, part_heads in plan:
-                    parts[name] = self._expect_part(
-                        rid, span.replace(heads=part_heads), via, timeout
-                    )
+                    parts[name] = inbound.expect(rid, span.replace(heads=part_heads), timeout)
             except BaseException:
                 for p in parts.values():
                     p.cancel("the expectation failed to start")
@@ -265,67 +238,6 @@ class DecodeBridge:
                 m.failed("recv", out)
 
         exp.add_done_callback(record)
-        return exp
-
-    def _expect_part(self, rid: str, span: KVSpan, via: str, timeout: float | None) -> Expectation:
-        """One expected transfer of ``span`` (resolved: its heads are this
-        part's; its own token on TCP, its own UCX expectation), with its
-        ticket."""
-        assert span.layers is not None and span.heads is not None
-        l0, l1 = span.layers
-        heads = span.heads
-        start, end = span.start, span.end
-        # the ticket names the heads unless they are all the model's (version 1 bytes)
-        named = None if heads == (0, self.layout.total_kv_heads) else heads
-        if via == "tcp":
-            tcp = self.tcp
-            sink = KVSink(self.cache, span)
-            h = tcp.expect(rid, sink, timeout=timeout)
-            ticket = Ticket(
-                TicketTransport.TCP,
-                rid,
-                start,
-                end,
-                l0,
-                l1,
-                self.layout.compat_hash,
-                token=h.token,
-                model=self.model_id,
-                heads=named,
-            )
-            stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
-
-            def finish_tcp(_n: Any, st: DeliveryStats) -> None:
-                st.wire_bytes = h.stats.wire_bytes  # the chunk bodies that arrived
-
-            exp = Expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish_tcp)
-        else:
-            agent = self._require_ucx()
-            uh = agent.expect(rid, span, timeout=timeout)
-            ticket = Ticket(
-                TicketTransport.UCX,
-                rid,
-                start,
-                end,
-                l0,
-                l1,
-                self.layout.compat_hash,
-                agent_id=agent.agent_id,
-                block_table=tuple(span.block_table.tolist()),
-                model=self.model_id,
-                heads=named,
-            )
-            stats = DeliveryStats(rid, self.identity, "ucx", bytes=0)
-
-            def finish_ucx(res: Any, st: DeliveryStats) -> None:
-                st.bytes = int(getattr(res, "bytes", 0))
-                st.wire_bytes = st.bytes
-                st.path = "ucx-" + str(getattr(res, "path", "") or "put")
-
-            exp = Expectation(
-                stats, uh.wait(), lambda: 1.0 if uh.done() else 0.0, uh.cancel, finish_ucx
-            )
-        exp.set_tickets({"": ticket.encode()})
         return exp
 
 

@@ -372,6 +372,37 @@ class SyncBridge:
 
         lt.call(run, timeout + _CONNECT_SLACK, f"connect({name!r})")
 
+    def reach(self, name: str) -> None:
+        """Make sure destination ``name`` is connected to the incarnation the
+        resolver names now (``resolver=``; a static destination is only
+        checked): connects it, or reconnects it after its engine restarted
+        (a new generation or address), so that CONTROL messages (a decode's
+        tickets) can flow before the first send.  Bounded by
+        ``peer_defaults.connect_timeout``; raises what
+        :meth:`kvbridge.bridge.PrefillBridge.reach` raises (``UnknownPeer``,
+        ``IncompatiblePeer``, the handshake's errors)."""
+        lt = self._running("reach()")
+        rp = self._prefill.resolved if self._prefill is not None else None
+        ct = float(rp.defaults.connect_timeout) if rp is not None else 10.0
+
+        def late(n: str) -> ConnectTimeout:
+            return ConnectTimeout(f"{n}: not connected within {ct:g} s")
+
+        async def run() -> None:
+            self._on_loop_check("reach()")
+            await self._reach(name, ct, late)
+
+        lt.call(run, ct + _CONNECT_SLACK, f"reach({name!r})")
+
+    async def _reach(self, name: str, ct: float, late: Callable[[str], KVBridgeError]) -> None:
+        assert self._prefill is not None
+        before = self._prefill.destinations
+        d = self._prefill.destination(name) if name in before else None
+        await wait_within(self._prefill.reach(name), ct, functools.partial(late, name))
+        if self._prefill.destination(name) is not d:
+            for ft in list(self._control):  # a new connection: its CONTROL handlers
+                self._install_control(ft, only=name)
+
     @property
     def destinations(self) -> list[str]:
         lt = self._running("destinations")
@@ -548,14 +579,8 @@ class SyncBridge:
 
         async def reach_then_run() -> None:
             self._on_loop_check("send()")
-            assert self._prefill is not None
             for name in tk:
-                before = self._prefill.destinations
-                d = self._prefill.destination(name) if name in before else None
-                await wait_within(self._prefill.reach(name), ct, functools.partial(late, name))
-                if self._prefill.destination(name) is not d:
-                    for ft in list(self._control):  # a new connection: its CONTROL handlers
-                        self._install_control(ft, only=name)
+                await self._reach(name, ct, late)
             run()
 
         lt.call(reach_then_run, self.call_timeout + len(tk) * (ct + _CONNECT_SLACK), "send()")

@@ -19,9 +19,10 @@ and the least-loaded engine of each role comes from a lazily updated heap.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from kvbridge.cache.hashing import page_hashes
 from kvbridge.errors import InvalidArgument, Unavailable
 from kvbridge.registry.records import EngineRecord, Role
 from kvbridge.registry.view import ViewChange
-from kvbridge.router import Decision, Pipeline, Router
+from kvbridge.router import Decision, Pipeline, Reason, Router
 
 __all__ = ["FleetConfig", "FleetRoute", "FleetRouter", "Reroute"]
 
@@ -153,6 +154,7 @@ class FleetRouter:
         self._heaps = {r: _LoadHeap(r, self._members[r]) for r in (Role.PREFILL, Role.RELAY)}
         self._active_total = 0  # requests in flight on eligible main decodes
         self._by_active: dict[int, int] = {}  # requests in flight -> bits of those main decodes
+        self._turn = 0  # ties go round: the first candidate bit at or above this slot
         self._sessions: dict[str, str] = {}
         self._inflight: dict[str, FleetRoute] = {}
         self._routed: dict[str, int] = {}  # request -> its prompt tokens
@@ -203,9 +205,14 @@ class FleetRouter:
             compute_tokens=n - min(prefill_pages * pt, n),
             queued_tokens=prefill.record.load.queued_tokens,
         )  # fmt: skip
-        relay = (
-            self._least(Role.RELAY).engine_id if decision.pipeline is Pipeline.P_RLD_MD else None
-        )
+        relay = None
+        if decision.pipeline is Pipeline.P_RLD_MD:
+            if self._members[Role.RELAY]:
+                relay = self._least(Role.RELAY).engine_id
+            else:  # no relay in the fleet: the main decode serves it alone
+                decision = dataclasses.replace(
+                    decision, pipeline=Pipeline.P_MD, reason=Reason.NO_RELAY
+                )
         route = FleetRoute(request_id, prefill.engine_id, relay, main.engine_id, matched, decision)
         self._begin(route, n, hashes, main_pages, prefill_pages, session)
         return route
@@ -255,21 +262,30 @@ class FleetRouter:
         if not members:
             raise Unavailable("no main decode in the fleet")
         cap = self.config.load_factor * (self._active_total + 1) / len(members)
-        if session is not None:
-            kept = members.get(self._sessions.get(session, ""))
-            if kept is not None and kept.active + 1 <= cap:
-                return kept, _depth(levels, kept.bit)
         # the main decodes by requests in flight, least first; those within the cap
         buckets = sorted(self._by_active.items())
         fit = [(a, m) for a, m in buckets if a + 1 <= cap] or buckets  # none fits: all
         fit_mask = 0
         for _, m in fit:
             fit_mask |= m
+        if session is not None:
+            kept = members.get(self._sessions.get(session, ""))
+            if kept is not None and kept.bit & fit_mask:
+                return kept, _depth(levels, kept.bit)
         for i in range(len(levels) - 1, -1, -1):
             held = levels[i] & fit_mask
             if held:  # the deepest level held by one that fits: its least loaded
-                return self._by_bit[_lowest(held, fit)], i + 1
-        return self._by_bit[_lowest(fit_mask, fit)], 0
+                return self._by_bit[self._next(_least_of(held, fit))], i + 1
+        return self._by_bit[self._next(_least_of(fit_mask, fit))], 0
+
+    def _next(self, tied: int) -> int:
+        """One bit of ``tied`` (engines equal for the choice), in turn, so that
+        new prefixes spread over equal engines instead of piling on one."""
+        later = tied & ~((1 << self._turn) - 1)
+        m = later or tied
+        bit = m & -m
+        self._turn = bit.bit_length()
+        return bit
 
     def _pick_prefill(self, levels: list[int]) -> tuple[_Engine, int]:
         """Least queued work less what its prefix index holds: the deepest
@@ -297,8 +313,7 @@ class FleetRouter:
         if role is Role.MAIN:
             if not self._by_active:
                 raise Unavailable("no main decode in the fleet")
-            buckets = sorted(self._by_active.items())
-            return self._by_bit[_lowest(buckets[0][1], buckets)]
+            return self._by_bit[_lowest(min(self._by_active.items())[1])]
         eng = self._heaps[role].top()
         if eng is None:
             raise Unavailable(f"no {role.value} in the fleet")
@@ -348,9 +363,8 @@ class FleetRouter:
         """``eng`` now holds every page of ``hashes``: the first ``held`` it
         held already (refreshed in its LRU order), the rest are added."""
         pages = eng.pages
-        for h in hashes[:held]:
-            if h in pages:
-                pages.move_to_end(h)
+        # held pages are in ``pages`` (a holder's bit is set exactly for its pages)
+        deque(map(pages.move_to_end, hashes[:held]), maxlen=0)
         holders = self._holders
         bit = eng.bit
         for h in hashes[held:]:
@@ -463,14 +477,18 @@ class FleetRouter:
         return out
 
 
-def _lowest(mask: int, buckets: list[tuple[int, int]]) -> int:
-    """The bit of the least loaded engine of ``mask`` (``buckets``: load ->
-    bits, least first), the lowest bit on a tie."""
+def _least_of(mask: int, buckets: list[tuple[int, int]]) -> int:
+    """The bits of ``mask`` in the least loaded bucket (``buckets``: load ->
+    bits, least first)."""
     for _, m in buckets:
         got = mask & m
         if got:
-            return got & -got
+            return got
     raise AssertionError("mask outside the buckets")  # pragma: no cover
+
+
+def _lowest(mask: int) -> int:
+    return mask & -mask
 
 
 def _depth(levels: list[int], bit: int) -> int:

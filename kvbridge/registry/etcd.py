@@ -20,7 +20,7 @@ from typing import Any
 import aetcd
 import grpc
 
-from kvbridge.errors import InvalidArgument, PeerGone
+from kvbridge.errors import AuthenticationError, InvalidArgument, PeerGone
 from kvbridge.registry.records import (
     EngineRecord,
     LoadReport,
@@ -59,6 +59,19 @@ class EtcdOptions:
             raise InvalidArgument("a client certificate needs ca_file (TLS)")
         if self.timeout_s <= 0 or self.retry_s <= 0:
             raise InvalidArgument("timeout_s and retry_s must be > 0")
+
+
+def _refused(e: BaseException) -> AuthenticationError | None:
+    """etcd's answer to credentials it does not accept (a wrong user or
+    password, a token it does not know, a user without the permission):
+    not worth retrying at start."""
+    text = str(e)
+    if isinstance(e, aetcd.exceptions.UnauthenticatedError) or (
+        isinstance(e, aetcd.exceptions.ClientError)
+        and ("authentication failed" in text or "permission denied" in text)
+    ):
+        return AuthenticationError(f"etcd refused kvbridge's credentials: {text}")
+    return None
 
 
 class _Client(aetcd.Client):  # type: ignore[misc]
@@ -128,14 +141,20 @@ class EtcdRegistration:
         self._dirty = False
         self._task: asyncio.Task[None] | None = None
         self._registered = asyncio.Event()
+        self._refused: AuthenticationError | None = None
 
     @property
     def generation(self) -> str:
         return self.record.generation
 
     async def start(self, timeout_s: float = 10.0) -> None:
+        """Register, waiting at most ``timeout_s`` (``TimeoutError`` while etcd
+        stays unreachable; ``AuthenticationError`` at once when etcd refuses
+        the credentials)."""
         self._task = asyncio.create_task(self._run())
         await asyncio.wait_for(self._registered.wait(), timeout_s)
+        if self._refused is not None:
+            raise self._refused
 
     def report_load(self, load: LoadReport, prefixes: tuple[bytes, ...] | None = None) -> None:
         """Publish a new load report at the next refresh (no etcd wait here)."""
@@ -193,6 +212,11 @@ class EtcdRegistration:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # etcd unreachable: retry until closed
+                refused = _refused(e)
+                if refused is not None and not self._registered.is_set():
+                    self._refused = refused
+                    self._registered.set()  # start() raises it
+                    return
                 log.warning("registry: etcd unreachable (%s); retrying", type(e).__name__)
                 await self._reset()
                 await asyncio.sleep(self.opts.retry_s)
@@ -216,10 +240,15 @@ class EtcdWatcher:
         self._client = _Client(self.opts)
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self._refused: AuthenticationError | None = None
 
     async def start(self, timeout_s: float = 10.0) -> None:
+        """List and watch, waiting at most ``timeout_s`` for the first listing
+        (``AuthenticationError`` at once when etcd refuses the credentials)."""
         self._task = asyncio.create_task(self._run())
         await asyncio.wait_for(self._synced.wait(), timeout_s)
+        if self._refused is not None:
+            raise self._refused
 
     async def wait_fresh(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until the view is synced again."""
@@ -256,6 +285,11 @@ class EtcdWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                refused = _refused(e)
+                if refused is not None and self.resyncs == 0:
+                    self._refused = refused
+                    self._synced.set()  # start() raises it
+                    return
                 self.view.mark_stale()
                 self._synced.clear()
                 log.warning("registry: watch lost (%s); resyncing", type(e).__name__)

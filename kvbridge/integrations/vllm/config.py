@@ -15,7 +15,9 @@ Every key is optional (docs/vllm.md lists them with their defaults)::
      "lease_s": 30, "connect_timeout_s": 10, "reconnect_timeout_s": 5,
      "layerwise": true, "metrics_addr": null,  # "host:port": the bridge's own /metrics
      "idle_wait_s": 0.002,                 # an engine that only waits for KV steps this slowly
-     "huge_pages": true}                   # a CPU cache: ask for 2 MiB pages (docs/pack.md)
+     "huge_pages": true,                   # a CPU cache: ask for 2 MiB pages (docs/pack.md)
+     "registry": {"etcd": "10.0.0.9:2379", "role": "main", "datacenter": "dc-b",
+                  "http": "http://10.0.0.2:8000"}}  # the fleet (kvbridge.integrations.vllm.fleet)
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class ConnectorConfig:
     metrics_addr: tuple[str, int] | None = None
     idle_wait_s: float = 0.002
     huge_pages: bool = True
+    registry: Any = None  # a fleet.RegistrySpec: register in etcd, find decodes there
     # this worker's tensor-parallel rank (set by the connector from vLLM's
     # parallel config, not a kv_connector_extra_config key)
     tp_rank: int = 0
@@ -185,4 +188,13 @@ class ConnectorConfig:
             huge_pages=bool(d.get("huge_pages", True)),
             idle_wait_s=_seconds(d, "idle_wait_s", 0.002),
             metrics_addr=maddr,
+            registry=_registry(d.get("registry")),
         )
+
+
+def _registry(raw: Any) -> Any:
+    if raw is None:
+        return None
+    from .fleet import RegistrySpec
+
+    return RegistrySpec.from_extra(raw)

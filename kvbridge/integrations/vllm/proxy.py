@@ -43,6 +43,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -54,7 +55,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ...errors import InvalidArgument
+from ...errors import InvalidArgument, Unavailable
+from ...fleet import FleetConfig, FleetRouter
 from ...handoff import HandoffPolicy, HandoffTimeouts, Mode
 from ...layout import DType, KVLayout
 from ...pdd import (
@@ -66,7 +68,11 @@ from ...pdd import (
     RelayBudget,
     Route,
 )
+from ...registry.etcd import EtcdOptions, EtcdWatcher
+from ...registry.records import DEFAULT_PREFIX, Role
+from ...registry.view import RegistryView, ViewChange
 from ...router import BandwidthEstimator, Pipeline, Router, RouterConfig
+from .config import parse_addr
 from .handoff import (
     Action,
     Continue,
@@ -81,7 +87,7 @@ from .handoff import (
 from .prefix_estimate import PrefixEstimate
 from .proxy_stats import CONTENT_TYPE_LATEST, ProxyStats
 
-__all__ = ["Backend", "DisaggProxy", "ProxyConfig", "main"]
+__all__ = ["Backend", "DisaggProxy", "FleetSource", "ProxyConfig", "main"]
 
 log = logging.getLogger("kvbridge.vllm.proxy")
 
@@ -131,11 +137,23 @@ class Backend:
         return cls(name, url.rstrip("/"))
 
 
+@dataclass(frozen=True)
+class FleetSource:
+    """The fleet in etcd (docs/fleet.md): engines that register with an
+    ``http`` endpoint, found through a watch; ``FleetRouter`` picks each
+    request's prefill, main decode and relay."""
+
+    etcd: EtcdOptions
+    prefix: str = DEFAULT_PREFIX
+    start_timeout_s: float = 10.0
+
+
 @dataclass
 class ProxyConfig:
-    prefill: Backend
-    main: Backend
+    prefill: Backend | None = None  # static backends, or ``fleet``
+    main: Backend | None = None
     relay: Backend | None = None
+    fleet: FleetSource | None = None
     model: str | None = None  # the name the backends serve; default: the client's
     pipeline: str = "auto"  # auto (router), p-md (always), p-rld-md (always, needs a relay)
     layout: KVLayout | None = None  # for the router's byte estimate
@@ -179,6 +197,9 @@ class RequestRecord:
     main_load: dict[str, Any] = field(default_factory=dict)  # the main decode's "kv" report
     error: str | None = None
     user: str | None = None  # the client's "user" field
+    prefill: str | None = None  # the engines that served it (their kvbridge identities)
+    main: str | None = None
+    relay: str | None = None
 
 
 @dataclass
@@ -193,6 +214,11 @@ class _Gen:
     return_token_ids: bool
     pipeline: str | None = None  # the request's "kvbridge_pipeline": overrides the router
     user: str | None = None  # the client's "user" field, kept in the request's record
+    session: str | None = None  # "kvbridge_session": keeps its main decode (a fleet)
+    # the engines serving it (the static ones, or the fleet router's choice)
+    prefill: Backend = field(default_factory=lambda: Backend("", ""))
+    main: Backend = field(default_factory=lambda: Backend("", ""))
+    relay: Backend | None = None
 
 
 @dataclass
@@ -222,7 +248,11 @@ class DisaggProxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         if cfg.pipeline not in ("auto", "p-md", "p-rld-md"):
             raise InvalidArgument(f"pipeline must be auto, p-md or p-rld-md, got {cfg.pipeline!r}")
-        if cfg.pipeline == "p-rld-md" and cfg.relay is None:
+        if cfg.fleet is None and (cfg.prefill is None or cfg.main is None):
+            raise InvalidArgument("the proxy needs a prefill and a main decode, or a fleet")
+        if cfg.fleet is not None and (cfg.prefill or cfg.main or cfg.relay):
+            raise InvalidArgument("static backends and a fleet do not mix")
+        if cfg.pipeline == "p-rld-md" and cfg.relay is None and cfg.fleet is None:
             raise InvalidArgument("pipeline p-rld-md needs a relay decode")
         self.cfg = cfg
         layout = cfg.layout or KVLayout(
@@ -258,6 +288,13 @@ class DisaggProxy:
             self.router,
         )
         self._rids = itertools.count(1)
+        self.fleet: FleetRouter | None = None
+        self.view: RegistryView | None = None
+        self._watcher: EtcdWatcher | None = None
+        if cfg.fleet is not None:
+            # the same Router decides the pipeline for the fleet router and the core
+            self.fleet = FleetRouter(self.router, FleetConfig(page_tokens=cfg.md_block_tokens))
+            self.view = RegistryView(prefix=cfg.fleet.prefix, on_change=self._fleet_change)
         self.estimate = PrefixEstimate(cfg.md_block_tokens)
         self.stats = ProxyStats(cfg.stats_window)
         self._session: aiohttp.ClientSession | None = None
@@ -271,6 +308,7 @@ class DisaggProxy:
                 web.get("/health", self._health),
                 web.get("/stats", self._stats),
                 web.get("/metrics", self._metrics),
+                web.get("/fleet", self._fleet),
                 web.post("/stats/reset", self._stats_reset),
             ]
         )
@@ -281,8 +319,39 @@ class DisaggProxy:
     async def _start(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s, sock_connect=10)
         self._session = aiohttp.ClientSession(timeout=timeout)
+        if self.cfg.fleet is not None and self.view is not None:
+            self._watcher = EtcdWatcher(self.view, self.cfg.fleet.etcd)
+            await self._watcher.start(self.cfg.fleet.start_timeout_s)
+
+    def _fleet_change(self, change: ViewChange) -> None:
+        assert self.fleet is not None
+        for rr in self.fleet.apply(change):
+            # a stream in flight on an engine that left fails over HTTP and is
+            # recorded; the next request of its session goes to ``rr.engine``
+            log.info("fleet: %s left; request %s now on %s", change.engine_id, rr.request_id,
+                     rr.engine)  # fmt: skip
+
+    def _backend(self, engine_id: str) -> Backend:
+        rec = self.view.get(engine_id) if self.view is not None else None
+        url = rec.endpoints.get("http") if rec is not None else None
+        if not url:
+            raise ProxyError(503, f"fleet: engine {engine_id!r} has no http endpoint")
+        return Backend(engine_id, url.rstrip("/"))
+
+    def _any(self, role: Role) -> Backend:
+        """A backend for calls any engine of ``role`` answers (tokenize, models)."""
+        if self.fleet is None:
+            b = self.cfg.prefill if role is Role.PREFILL else self.cfg.main
+            assert b is not None
+            return b
+        for eid in self.fleet.eligible(role):
+            with contextlib.suppress(ProxyError):
+                return self._backend(eid)
+        raise ProxyError(503, f"fleet: no {role.value} engine with an http endpoint")
 
     async def _stop(self, _app: web.Application) -> None:
+        if self._watcher is not None:
+            await self._watcher.close()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.cfg.timeout_s)
         if self._session is not None:
@@ -298,7 +367,7 @@ class DisaggProxy:
         return web.json_response({"status": "ok"})
 
     async def _models(self, _req: web.Request) -> web.Response:
-        async with self.session.get(f"{self.cfg.main.url}/v1/models") as r:
+        async with self.session.get(f"{self._any(Role.MAIN).url}/v1/models") as r:
             return web.json_response(await r.json(), status=r.status)
 
     @property
@@ -309,6 +378,19 @@ class DisaggProxy:
     async def _stats(self, _req: web.Request) -> web.Response:
         out = self.stats.summary()
         out["pipelines"] = {p.value: n for p, n in self.router.counts.items()}
+        return web.json_response(out)
+
+    async def _fleet(self, _req: web.Request) -> web.Response:
+        """The engines the proxy routes to, by role (a fleet: its registry view)."""
+        if self.fleet is None or self.view is None:
+            cfg = self.cfg
+            static = {"prefill": cfg.prefill, "main": cfg.main, "relay": cfg.relay}
+            return web.json_response({k: [b.name] if b else [] for k, b in static.items()})
+        out: dict[str, Any] = {
+            r.value: self.fleet.eligible(r) for r in (Role.PREFILL, Role.RELAY, Role.MAIN)
+        }
+        out["stale"] = self.view.stale
+        out["revision"] = self.view.revision
         return web.json_response(out)
 
     async def _metrics(self, _req: web.Request) -> web.Response:
@@ -344,7 +426,7 @@ class DisaggProxy:
             for k in ("chat_template_kwargs", "add_generation_prompt", "continue_final_message"):
                 if k in body:
                     req[k] = body[k]
-        async with self.session.post(f"{self.cfg.prefill.url}/tokenize", json=req) as r:
+        async with self.session.post(f"{self._any(Role.PREFILL).url}/tokenize", json=req) as r:
             data = await r.json()
             if r.status != 200:
                 raise ProxyError(r.status, f"prefill /tokenize: {data}")
@@ -368,7 +450,7 @@ class DisaggProxy:
         pipeline = body.get("kvbridge_pipeline")
         if pipeline not in (None, "auto", "p-md", "p-rld-md"):
             raise ProxyError(400, "kvbridge_pipeline must be auto, p-md or p-rld-md")
-        if pipeline == "p-rld-md" and self.cfg.relay is None:
+        if pipeline == "p-rld-md" and self.cfg.relay is None and self.fleet is None:
             raise ProxyError(400, "kvbridge_pipeline p-rld-md: this proxy has no relay decode")
         ids = await self._tokenize(body, kind, model)
         opts = body.get("stream_options") or {}
@@ -383,6 +465,7 @@ class DisaggProxy:
             return_token_ids=bool(body.get("return_token_ids")),
             pipeline=pipeline,
             user=body["user"] if isinstance(body.get("user"), str) else None,
+            session=str(body["kvbridge_session"]) if body.get("kvbridge_session") else None,
         )
 
     # ---- backend calls -------------------------------------------------------------
@@ -409,7 +492,7 @@ class DisaggProxy:
                 "await_tickets_s": self.cfg.await_tickets_s,
             },
         )
-        async with self.session.post(f"{self.cfg.prefill.url}/v1/completions", json=body) as r:
+        async with self.session.post(f"{g.prefill.url}/v1/completions", json=body) as r:
             data = await r.json()
             if r.status != 200:
                 raise ProxyError(502, f"prefill: HTTP {r.status}: {data}")
@@ -432,19 +515,36 @@ class DisaggProxy:
 
     async def _detokenize(self, g: _Gen, ids: list[int]) -> str:
         body = {"model": g.model, "tokens": ids}
-        async with self.session.post(f"{self.cfg.prefill.url}/detokenize", json=body) as r:
+        async with self.session.post(f"{g.prefill.url}/detokenize", json=body) as r:
             data = await r.json()
             if r.status != 200:
                 raise ProxyError(502, f"prefill /detokenize: {data}")
         return str(data["prompt"])
 
     # ---- pipelines -----------------------------------------------------------------
-    def _route(self, g: _Gen, rid: int) -> tuple[Pipeline, str, int]:
-        """The PDD core's route (its router, the WAN's queue of this proxy)."""
-        matched = self.estimate.matched(g.prompt_ids) if self.cfg.use_prefix_estimate else 0
+    def _route(self, g: _Gen, rid: int, tid: str) -> tuple[Pipeline, str, int]:
+        """The PDD core's route (its router, the WAN's queue of this proxy);
+        with a fleet, the fleet router's engines and decision."""
         chosen = g.pipeline if g.pipeline not in (None, "auto") else self.cfg.pipeline
         fixed = None
-        if chosen == "p-md" or self.cfg.relay is None:
+        if self.fleet is not None:
+            try:
+                fr = self.fleet.route(tid, g.prompt_ids, g.max_tokens, session=g.session)
+            except Unavailable as e:
+                raise ProxyError(503, f"fleet: {e}") from None
+            try:
+                g.prefill, g.main = self._backend(fr.prefill), self._backend(fr.main)
+                g.relay = self._backend(fr.relay) if fr.relay is not None else None
+            except ProxyError:
+                self.fleet.finish(tid)
+                raise
+            matched = fr.matched_tokens
+            fixed = fr.decision.pipeline
+        else:
+            assert self.cfg.prefill is not None and self.cfg.main is not None
+            g.prefill, g.main, g.relay = self.cfg.prefill, self.cfg.main, self.cfg.relay
+            matched = self.estimate.matched(g.prompt_ids) if self.cfg.use_prefix_estimate else 0
+        if chosen == "p-md" or g.relay is None:
             fixed = Pipeline.P_MD
         elif chosen == "p-rld-md":
             fixed = Pipeline.P_RLD_MD
@@ -462,14 +562,14 @@ class DisaggProxy:
             kv_transfer_params={
                 "do_remote_prefill": True,
                 "transfer_id": tid,
-                "prefill": self.cfg.prefill.name,
+                "prefill": g.prefill.name,
             },
         )
-        pre = asyncio.ensure_future(self._prefill(g, tid, [self.cfg.main.name]))
+        pre = asyncio.ensure_future(self._prefill(g, tid, [g.main.name]))
         t0 = time.perf_counter()
         first = True
         try:
-            async for piece in self._stream(self.cfg.main, body, "main"):
+            async for piece in self._stream(g.main, body, "main"):
                 if first and piece.token_ids:
                     first = False
                     missing = (
@@ -508,8 +608,9 @@ class DisaggProxy:
         events (:class:`~kvbridge.integrations.vllm.handoff.HttpHandoff`),
         its decisions become backend calls and the client's pieces."""
         cfg = self.cfg
-        assert cfg.relay is not None
-        decode_kv = {"do_remote_prefill": True, "transfer_id": tid, "prefill": cfg.prefill.name}
+        relay, main = g.relay, g.main
+        assert relay is not None
+        decode_kv = {"do_remote_prefill": True, "transfer_id": tid, "prefill": g.prefill.name}
         load_body = self._body(
             g, g.prompt_ids, 1, stream=False, kv_transfer_params={**decode_kv, "pin_s": cfg.pin_s}
         )
@@ -519,7 +620,7 @@ class DisaggProxy:
 
         async def load_main() -> None:
             try:
-                async with self.session.post(f"{cfg.main.url}/v1/completions", json=load_body) as r:
+                async with self.session.post(f"{main.url}/v1/completions", json=load_body) as r:
                     data = await r.json()
                     if r.status != 200:
                         raise ProxyError(502, f"main decode load: HTTP {r.status}: {data}")
@@ -541,7 +642,7 @@ class DisaggProxy:
         async def extend(ids: tuple[int, ...], count: int) -> None:
             body = self._body(g, g.prompt_ids + list(ids), 1, stream=False)
             try:
-                async with self.session.post(f"{cfg.main.url}/v1/completions", json=body) as r:
+                async with self.session.post(f"{main.url}/v1/completions", json=body) as r:
                     data = await r.json()
                     if r.status != 200:
                         raise ProxyError(502, f"main decode extend: HTTP {r.status}: {data}")
@@ -569,8 +670,8 @@ class DisaggProxy:
             return self._body(g, g.prompt_ids + list(prefix), n, kv_transfer_params=decode_kv)
 
         start("md_load", load_main())
-        pre = asyncio.ensure_future(self._prefill(g, tid, [cfg.relay.name, cfg.main.name]))
-        start("relay", read("relay", cfg.relay, relay_body(())))
+        pre = asyncio.ensure_future(self._prefill(g, tid, [relay.name, main.name]))
+        start("relay", read("relay", relay, relay_body(())))
         h.open(time.monotonic())
         finished: str | None = None
         try:
@@ -608,7 +709,7 @@ class DisaggProxy:
                     elif isinstance(act, StopRelay):
                         await stop("relay")
                     elif isinstance(act, RestartRelay):
-                        start("relay", read("relay", cfg.relay, relay_body(act.prefix)))
+                        start("relay", read("relay", relay, relay_body(act.prefix)))
                     elif isinstance(act, Extend):
                         start("extend", extend(act.ids, act.count))
                     elif isinstance(act, Continue):
@@ -622,7 +723,7 @@ class DisaggProxy:
                             act.max_tokens,
                             kv_transfer_params={"unpin": tid},
                         )
-                        start("main", read("main", cfg.main, body))
+                        start("main", read("main", main, body))
                     elif isinstance(act, MainAlone):
                         async for piece in self._main_alone(g, tid, tasks):
                             yield piece
@@ -661,7 +762,7 @@ class DisaggProxy:
             with contextlib.suppress(Exception):
                 await t
         body = self._body(g, g.prompt_ids, g.max_tokens, kv_transfer_params={"unpin": tid})
-        async for piece in self._stream(self.cfg.main, body, "main"):
+        async for piece in self._stream(g.main, body, "main"):
             yield piece
 
     async def _finish_load(self, g: _Gen, tid: str, md_load: asyncio.Future[Any] | None) -> None:
@@ -673,15 +774,17 @@ class DisaggProxy:
     async def _unpin(self, g: _Gen, tid: str) -> None:
         body = self._body(g, [0], 1, stream=False, kv_transfer_params={"unpin": tid})
         with contextlib.suppress(Exception):
-            async with self.session.post(f"{self.cfg.main.url}/v1/completions", json=body) as r:
+            async with self.session.post(f"{g.main.url}/v1/completions", json=body) as r:
                 await r.read()
 
     async def _run(self, g: _Gen) -> AsyncIterator[_Piece]:
         """The one stream of a request, whatever the pipeline; fills its record."""
         tid = uuid.uuid4().hex
         rid = next(self._rids)
-        pipeline, reason, matched = self._route(g, rid)
+        pipeline, reason, matched = self._route(g, rid, tid)
         rec = RequestRecord(tid, pipeline.value, reason, len(g.prompt_ids), matched, user=g.user)
+        rec.prefill, rec.main = g.prefill.name, g.main.name
+        rec.relay = g.relay.name if pipeline is Pipeline.P_RLD_MD and g.relay else None
         self.stats.started(rec.pipeline)
         t0 = time.perf_counter()
         out_ids: list[int] = []
@@ -705,6 +808,8 @@ class DisaggProxy:
             raise
         finally:
             self.core.handle(Finish(rid, time.monotonic()))  # off the WAN's queue
+            if self.fleet is not None:
+                self.fleet.finish(tid, failed_on=_failed_on(g, rec.error))
             rec.total_s = time.perf_counter() - t0
             self.stats.finished(rec)
             if rec.error is None:
@@ -818,9 +923,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill", type=Backend.parse, required=True, help="NAME=URL of the prefill")
-    p.add_argument("--main", type=Backend.parse, required=True, help="NAME=URL of the main decode")
+    p.add_argument("--prefill", type=Backend.parse, help="NAME=URL of the prefill")
+    p.add_argument("--main", type=Backend.parse, help="NAME=URL of the main decode")
     p.add_argument("--relay", type=Backend.parse, help="NAME=URL of the relay decode")
+    p.add_argument(
+        "--registry", help="HOST:PORT of etcd: route over the fleet registered there instead"
+    )
+    p.add_argument("--registry-prefix", default=DEFAULT_PREFIX)
+    p.add_argument("--etcd-ca", help="PEM: etcd over TLS")
+    p.add_argument("--etcd-cert", help="PEM: client certificate for etcd")
+    p.add_argument("--etcd-key", help="PEM: its key")
+    p.add_argument("--etcd-user", help="etcd user (password in KVBRIDGE_ETCD_PASSWORD)")
     p.add_argument("--model", help="model name the backends serve (default: the client's)")
     p.add_argument("--model-dir", help="HF model directory (the router's KV bytes per token)")
     p.add_argument("--pipeline", choices=("auto", "p-md", "p-rld-md"), default="auto")
@@ -849,10 +962,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[proxy] %(message)s")
+    fleet = None
+    if a.registry:
+        host, port = parse_addr(a.registry, "--registry")
+        fleet = FleetSource(
+            EtcdOptions(
+                host=host, port=port, ca_file=a.etcd_ca, cert_file=a.etcd_cert,
+                key_file=a.etcd_key, username=a.etcd_user,
+                password=os.environ.get("KVBRIDGE_ETCD_PASSWORD") if a.etcd_user else None,
+            ),
+            prefix=a.registry_prefix,
+        )  # fmt: skip
+    elif a.prefill is None or a.main is None:
+        raise SystemExit("the proxy needs --prefill and --main, or --registry")
     cfg = ProxyConfig(
         prefill=a.prefill,
         main=a.main,
         relay=a.relay,
+        fleet=fleet,
         model=a.model,
         pipeline=a.pipeline,
         layout=_layout_from(a.model_dir, a.md_block_size),
@@ -875,6 +1002,16 @@ def main(argv: list[str] | None = None) -> int:
     proxy = DisaggProxy(cfg)
     web.run_app(proxy.app, host=a.host, port=a.port, print=lambda *x: print(*x, flush=True))
     return 0
+
+
+def _failed_on(g: _Gen, error: str | None) -> str | None:
+    """The engine a failed request blames (its stream's, else its prefill's)."""
+    if error is None:
+        return None
+    for b in (g.main, g.relay, g.prefill):
+        if b is not None and b.name and b.name in error:
+            return b.name
+    return g.main.name
 
 
 if __name__ == "__main__":

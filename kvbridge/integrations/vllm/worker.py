@@ -39,7 +39,7 @@ from typing import Any
 
 from ...bridge.decode import plan_sources, tp_sources
 from ...bridge.ticket import Ticket, TicketTransport
-from ...errors import KVBridgeError, LeaseExpired
+from ...errors import InvalidArgument, KVBridgeError, LeaseExpired
 from ...layout import tp_head_range
 from .config import ConnectorConfig, PeerSpec, rank_identity
 from .control import (
@@ -235,6 +235,7 @@ class ConnectorWorker:
         self._failed_recving: set[str] = set()
         self.counters = TransferCounters()
         self.metrics: Any = None
+        self.fleet: Any = None  # a fleet.FleetMember with "registry"
 
     # ---- setup -------------------------------------------------------------------------
     def use_events(self, events: EventSource) -> None:
@@ -263,6 +264,29 @@ class ConnectorWorker:
             self.metrics = BridgeMetrics()
             self.metrics.start_http_server(cfg.metrics_addr[1], cfg.metrics_addr[0])
             kw["metrics"] = self.metrics
+        if cfg.registry is not None:
+            from ...bridge import PeerConfig
+            from .fleet import FleetMember
+
+            if cfg.tp_size > 1:
+                raise InvalidArgument(
+                    "kv_connector_extra_config['registry'] needs tensor-parallel size 1 "
+                    "(a rank's own registration is not built yet)"
+                )
+            self.fleet = FleetMember(
+                cfg.registry,
+                compat_hash=lay.compat_hash,
+                on_decode=self._fleet_decode if self.producer else None,
+            )
+            if self.producer:
+                kw["resolver"] = self.fleet.view
+                kw["peer_defaults"] = PeerConfig(
+                    "tcp",
+                    streams=cfg.streams,
+                    psk=cfg.psk,
+                    connect_timeout=cfg.connect_timeout_s,
+                    reconnect_timeout=cfg.reconnect_timeout_s,
+                )
         self.bridge = self._make_bridge(
             cache,
             identity=self.identity,
@@ -286,6 +310,14 @@ class ConnectorWorker:
         if self.producer:
             for p in cfg.peers:
                 self._ctl.put((p.name, -1, b""))  # connect in the background
+        if self.fleet is not None:
+            listen = cfg.rank_listen
+            tcp = (listen[0], self.tcp_port) if self.consumer and listen is not None else None
+            with _wide_affinity():
+                self.fleet.start(
+                    engine_id=self.identity, model=cfg.model_id,
+                    compat_hash=lay.compat_hash, tcp=tcp,
+                )  # fmt: skip
 
     @property
     def tcp_port(self) -> int:
@@ -296,6 +328,9 @@ class ConnectorWorker:
         if self._gate is not None:
             self._gate.close()
         self._ctl.put(None)
+        if self.fleet is not None:
+            self.fleet.close()
+            self.fleet = None
         if self._ctl_thread is not None:
             self._ctl_thread.join(timeout=self.cfg.connect_timeout_s + 2)
         if self.bridge is not None:
@@ -358,10 +393,33 @@ class ConnectorWorker:
                 except KVBridgeError as e:
                     log.warning("cannot give %s our UCX metadata: %s", peer, e)
 
+    def _fleet_decode(self, name: str) -> None:
+        """A decode appeared in the fleet, or restarted: (re)connect it."""
+        self._ctl.put((name, -1, b""))
+
+    def _reach(self, name: str) -> bool:
+        """Connect a decode found in the fleet (or reconnect its new
+        incarnation); False: retry."""
+        from ...registry.view import UnknownPeer
+
+        try:
+            self.bridge.reach(name)
+        except UnknownPeer:
+            return True  # gone again: its next registration brings it back
+        except KVBridgeError as e:
+            log.info("decode %s not reached yet (%s); retrying", name, e)
+            return False
+        with self._connected_lock:
+            self._connected.add(name)
+        log.info("connected to decode %s through the registry", name)
+        return True
+
     def _connect_peer(self, name: str) -> bool:
         """Connect every rank of one decode (TCP, then UCX through its
         metadata); False: retry."""
-        spec = self._peers[name]
+        spec = self._peers.get(name)
+        if spec is None:
+            return self._reach(name) if self.fleet is not None else True
         return all([self._connect_rank(spec, r) for r in range(spec.tp)])
 
     def _connect_rank(self, spec: PeerSpec, rank: int) -> bool:
