@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--smoke", action="store_true", help="reduced run (CI): random model, few requests"
     )
     p.add_argument("--sessions", type=int, help="agent sessions (default 6)")
-    p.add_argument("--ttl", type=int, default=2, help="registration lease in seconds")
+    p.add_argument("--ttl", type=int, default=5, help="registration lease in seconds")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -142,6 +142,7 @@ class FleetResult:
     reroutes: int = 0  # Reroutes the router returned
     hit_by_kill: list[int] = field(default_factory=list)  # requests in flight on the victim
     kill_at: float = math.inf  # time.monotonic() of the kill
+    left: dict[str, list[float]] = field(default_factory=dict)  # each engine's leaves
     peak: dict[str, dict[str, int]] = field(default_factory=dict)  # reported load, per engine
     roles: dict[str, str] = field(default_factory=dict)
     lines: list[str] = field(default_factory=list)
@@ -202,7 +203,7 @@ async def run_fleet_demo(
     *,
     prefills: int = 2,
     mains: int = 2,
-    ttl_s: int = 2,
+    ttl_s: int = 5,
     log: Any = print,
 ) -> FleetResult:
     """The whole fleet demo; SIGTERM / SIGINT cancel it, and it stops every
@@ -265,12 +266,13 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
     rerouted: dict[str, asyncio.Future[str]] = {}
     t0 = [math.inf]  # the replay's start
     joined: dict[str, float] = {}
-    left: dict[str, float] = {}
+    left: dict[str, list[float]] = defaultdict(list)
+    res.left = left
 
     def on_change(ch: ViewChange) -> None:
         now = time.monotonic() - t0[0]
         if ch.record is None:
-            left[ch.engine_id] = now
+            left[ch.engine_id].append(now)
         elif ch.previous is None:
             joined[ch.engine_id] = now
             res.roles[ch.engine_id] = ch.record.role.value
@@ -282,7 +284,10 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
         for r in fr.apply(ch):
             res.reroutes += 1
             fut = rerouted.get(r.request_id)
-            if fut is not None and not fut.done():
+            # a main decode's death: the request continues elsewhere; a prefill
+            # that left (its process serves on, or the request fails) is not
+            # acted on (no prefill is killed here)
+            if r.stage == "main" and fut is not None and not fut.done():
                 fut.set_result(r.engine)
 
     view = RegistryView(compat_hash=cfg.p_layout().compat_hash, on_change=on_change)
@@ -453,6 +458,9 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
                 await asyncio.wait_for(client.done[rid2].wait(), cfg.request_timeout_s)
             finally:
                 client.close(rid2)
+            if rec.input_tokens and not rec.matched_tokens and not rec.p_hit_tokens:
+                # its first call never answered: the hits are the re-run's
+                rec.matched_tokens, rec.p_hit_tokens = int(rep["matched"]), int(rep["p_hit"])
             k = len(got)
             if rec2.tokens[:k] != got:
                 rec.error = f"failover: the re-run on {md} differs from the {k} tokens delivered"
@@ -493,9 +501,9 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
                 f"  {res.kill_t:.1f} s: killed {victim} (SIGKILL) with "
                 f"{busy.get(victim, 0)} requests in flight"
             )
-            while victim not in left:
+            while not any(t >= res.kill_t for t in left[victim]):
                 await asyncio.sleep(0.05)
-            res.gone_t = left[victim]
+            res.gone_t = min(t for t in left[victim] if t >= res.kill_t)
             log(f"  {res.gone_t:.1f} s: {victim}'s lease expired; the view dropped it")
             await asyncio.sleep(1.0)
             new = new_md
@@ -617,6 +625,12 @@ def report(res: FleetResult) -> list[str]:
         if res.joined:
             n_new = len(per.get(res.joined, []))
             out.append(f"  {res.joined} joined at {res.join_t:.1f} s and served {n_new} requests")
+    lapses = sum(len(v) for v in res.left.values()) - (1 if math.isfinite(res.gone_t) else 0)
+    if lapses:
+        out.append(
+            f"leases that ran out on engines still running (starved past the TTL on the loaded "
+            f"VM, then registered again with a new generation): {lapses}"
+        )
     checks = Counter(r.check or "error" for r in recs)
     wrong = [r for r in recs if r.error or r.check not in ("exact", "near-tie")]
     out.append(

@@ -38,7 +38,7 @@ __all__ = ["FleetMain", "FleetPrefill", "FleetRelay", "main"]
 
 
 class _Member:
-    """Registration in etcd under a lease, and a load report every 0.25 s."""
+    """Registration in etcd under a lease, and a load report every 0.5 s."""
 
     role: Role
     identity: str
@@ -76,7 +76,7 @@ class _Member:
             if now != last and self.reg is not None:
                 self.reg.report_load(*now)
                 last = now
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.5)
 
     async def unregister(self) -> None:
         if self.reg is not None:
