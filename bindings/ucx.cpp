@@ -244,7 +244,26 @@ NB_MODULE(_ucx, m) {
             return e.connect(std::string(address.c_str(), address.size()), rs, peer_errors);
           },
           nb::arg("address"), nb::arg("regions"), nb::arg("peer_errors") = true)
-      .def("disconnect", &Engine::disconnect, nb::call_guard<nb::gil_scoped_release>())
+      .def("disconnect", &Engine::disconnect, nb::arg("ep"), nb::arg("force") = false,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "flush_send",
+          [](Engine& e, uint64_t ep, nb::bytes msg) {
+            std::string m(msg.c_str(), msg.size());
+            kvb::ucx::Posted p;
+            {
+              nb::gil_scoped_release release;
+              p = e.flush_send(ep, m);
+            }
+            return nb::make_tuple(p.op_id, p.status);
+          },
+          nb::arg("ep"), nb::arg("message"),
+          "Flush the endpoint (every put posted before is complete at the target), then "
+          "send the message. Returns (op id, status) as send does")
+      .def("cancel_ops", &Engine::cancel_ops, nb::arg("ep"), nb::arg("op_ids"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Stop these put batches: runs not yet posted never are, no DONE is sent; "
+           "each finishes with UCS_ERR_CANCELED. Returns how many were stopped")
       .def("endpoint_ok", &Engine::endpoint_ok)
       .def(
           "put",

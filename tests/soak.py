@@ -56,7 +56,6 @@ SLACK = 5.0  # how much later than its deadline an outcome may come
 TOL_FDS = 4
 TOL_THREADS = 1
 TOL_RSS = 128 * MiB
-QUARANTINE_S = 5.0  # a failed UCX transfer's destination pages rest this long before reuse
 
 LAYOUT = dict(num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
 PAGES = 1024
@@ -313,7 +312,6 @@ async def soak(seconds: float, seed: int, restart_every: float) -> dict[str, Any
         size = "large" if large else "small"
         tag = f"{kind}/{size}" + ("/layerwise" if layerwise else "") + ("/cancel" if cancel else "")
         pool = free_local if kind == "faulty" else free_remote[kind]
-        quarantined = True  # until the transfer completed
         need = lay.pages_for(n)
         if len(pool) < need or kind in restarting:
             return
@@ -389,7 +387,6 @@ async def soak(seconds: float, seed: int, restart_every: float) -> dict[str, Any
                         tally.problems.append(f"{tag} {rid}: sender ok, receiver {rx}")
                     tally.fail(tag, "receiver lost (peer restarted)")
                 else:
-                    quarantined = False
                     tally.ok(tag)
                     if kind in children and gen > 1:
                         tally.after_restart_ok[kind] = tally.after_restart_ok.get(kind, 0) + 1
@@ -400,13 +397,9 @@ async def soak(seconds: float, seed: int, restart_every: float) -> dict[str, Any
             if kind in names and not isinstance(ex, (asyncio.CancelledError,)):
                 await _heal(kind)
         finally:
-            if kind == "ucx" and quarantined:
-                # a failed UCX transfer's pages wait before their next use: puts the
-                # sender posted before it learned of the failure may still land
-                loop = asyncio.get_running_loop()
-                loop.call_later(QUARANTINE_S, pool.update, mt)
-            else:
-                pool.update(mt)
+            # the pages are free once the receiver's side ended (a UCX receive
+            # ends only when no write of its request can land any more)
+            pool.update(mt)
 
     async def _heal(kind: str) -> None:
         """The survivor's reaction to a destination that is gone for good:

@@ -89,7 +89,8 @@ def test_control_message_vectors() -> None:
     )
     aproof = ack_proof(key, target, me, tag, ack_tag, "d")
     ack = Message(Kind.HELLO_ACK, tag, blob=encode_ack_blob(AckBlob(ack_tag, aproof, "d")))
-    msgs = [done, abort, hello, ack]
+    abort_ack = Message(Kind.ABORT_ACK, b"A" * 16, "r1")
+    msgs = [done, abort, hello, ack, abort_ack]
     assert _block("ucx-messages") == [encode_message(m) for m in msgs]
     got = [decode_message(v) for v in _block("ucx-messages")]
     assert got == msgs

@@ -82,9 +82,11 @@ def test_cpp_parses_only_well_formed_done() -> None:
     sender = b"A" * 16
     good = encode_message(Message(Kind.DONE, sender, "r", 1, 2, 0, 1, 8, text="t", blob=b"b"))
     assert mod.parse_done(good) == (sender, b"r", 1, 2, 0, 1, 8, 0)
+    # a DONE of version 3 is read alike (version 4 changed ABORT only)
+    assert mod.parse_done(good[:2] + b"\x03" + good[3:]) == (sender, b"r", 1, 2, 0, 1, 8, 0)
     others = [
         good[:2] + b"\x02" + good[3:],  # version 2 (no connection tags): Python drops it
-        good[:2] + b"\x04" + good[3:],  # version 4
+        good[:2] + b"\x05" + good[3:],  # version 5
         good[:-1],  # lengths do not add up
         good + b"x",
         b"\x00" + good[1:],  # magic

@@ -211,7 +211,9 @@ class Engine {
   uint64_t connect(const std::string& worker_address,
                    const std::vector<std::tuple<uintptr_t, size_t, std::string>>& regions,
                    bool peer_errors);
-  void disconnect(uint64_t ep_id);
+  // `force`: close without flushing what we posted to it (a peer that
+  // stopped answering: a flush would wait for it in vain).
+  void disconnect(uint64_t ep_id, bool force = false);
   bool endpoint_ok(uint64_t ep_id) const;
 
   // Post a put batch, its flush and (after the flush) the notification; then
@@ -221,6 +223,17 @@ class Engine {
              unsigned spin_us);
   // One active message.  `report`: queue its result for drain().
   Posted send(uint64_t ep_id, const std::string& message, bool report);
+  // Flush the endpoint (remote completion of every put posted on it before
+  // this call), then send `message`: what an ABORT and an ABORT_ACK take, so
+  // that they arrive after every byte posted before them landed.  Not held
+  // back by the put window.  The result is queued for drain().
+  Posted flush_send(uint64_t ep_id, const std::string& message);
+  // Stop the put batches `op_ids` on `ep_id`: their runs not posted yet are
+  // never posted, their notifications never sent; each finishes with
+  // UCS_ERR_CANCELED once its puts in flight completed.  Ops that finished
+  // (or are not put batches of this endpoint) are left alone.  Returns how
+  // many were stopped.
+  size_t cancel_ops(uint64_t ep_id, const std::vector<uint64_t>& op_ids);
 
   // ---- the receiving side's expectations ----
   // DONE messages under a connection tag in add_peer() (who sent it is the
@@ -267,7 +280,7 @@ class Engine {
   void post_flush(Op& op, Endpoint& ep);
   void post_puts(Endpoint& ep);
   void check_open() const;
-  void disconnect_locked(uint64_t ep_id);
+  void disconnect_locked(uint64_t ep_id, bool force = false);
   void signal_python();
   bool python_work() const;
   // Expectation `token` is complete or unknown (a complete one is forgotten).

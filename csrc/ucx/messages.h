@@ -15,7 +15,10 @@ namespace kvb::ucx {
 constexpr uint16_t kMessageMagic = 0x4B55;
 // Version 3: the sender field is the connection tag the receiver issued in
 // the HELLO exchange (not an agent id), and a DONE names its pages (digest).
-constexpr uint8_t kMessageVersion = 3;
+// Version 4 (written): every ABORT is answered with an ABORT_ACK once the
+// answering agent stopped its sends of the request and flushed; a DONE is
+// the same as in version 3, which is still read.
+constexpr uint8_t kMessageVersion = 4;
 constexpr uint8_t kMessageMinVersion = 3;
 constexpr uint8_t kKindDone = 4;
 constexpr size_t kMessageHead = 108;  // magic .. blob length
@@ -31,7 +34,7 @@ struct Done {
 };
 
 // DONE(rid, start, end, l0, l1, nbytes, pages digest) under connection tag
-// `sender` (16 bytes), version 3.  Throws std::invalid_argument for a sender
+// `sender` (16 bytes), version 4.  Throws std::invalid_argument for a sender
 // of another size or a request id longer than kMaxRequestId bytes.
 std::string encode_done(std::string_view sender, std::string_view rid, uint64_t start, uint64_t end,
                         uint64_t l0, uint64_t l1, uint64_t nbytes, uint64_t pages);
@@ -44,7 +47,7 @@ std::string encode_done(std::string_view sender, std::string_view rid, uint64_t 
 uint64_t pages_digest(const int64_t* bt, size_t n, uint64_t start, uint64_t end,
                       uint64_t page_tokens);
 
-// True when `data` is a well-formed DONE of version 3 (size, magic,
+// True when `data` is a well-formed DONE of version 3 or 4 (size, magic,
 // version, kind and lengths as messages.py checks them); `out` then points
 // into `data`.  Anything else is left to Python's decoder.
 bool parse_done(const void* data, size_t length, Done* out);

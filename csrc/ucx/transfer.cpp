@@ -2,6 +2,7 @@
 // through each endpoint's put window), and small active messages.
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 
@@ -113,12 +114,12 @@ uint64_t Engine::connect(const std::string& worker_address,
   return id;
 }
 
-void Engine::disconnect(uint64_t ep_id) {
+void Engine::disconnect(uint64_t ep_id, bool force) {
   std::lock_guard<std::mutex> lock(mu_);
-  disconnect_locked(ep_id);
+  disconnect_locked(ep_id, force);
 }
 
-void Engine::disconnect_locked(uint64_t ep_id) {
+void Engine::disconnect_locked(uint64_t ep_id, bool force) {
   auto it = eps_.find(ep_id);
   if (it == eps_.end()) return;
   Endpoint& ep = *it->second;
@@ -139,7 +140,9 @@ void Engine::disconnect_locked(uint64_t ep_id) {
   // (it may break the remote side otherwise), or when the peer is gone.
   ucp_request_param_t cp{};
   cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  cp.flags = (ep.peer_errors || ep.error != UCS_OK) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  // `force`: the peer stopped answering (an ABORT it never acknowledged): a
+  // flush would wait for it in vain.
+  cp.flags = (force || ep.peer_errors || ep.error != UCS_OK) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t sp = ucp_ep_close_nbx(ep.ep, &cp);
   if (sp != nullptr && !UCS_PTR_IS_ERR(sp)) {
     auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
@@ -369,6 +372,55 @@ Posted Engine::send(uint64_t ep_id, const std::string& message, bool report) {
   }
   wake_thread();
   return {id, UCS_INPROGRESS};
+}
+
+Posted Engine::flush_send(uint64_t ep_id, const std::string& message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open();
+  Endpoint& ep = endpoint(ep_id);
+  if (ep.error != UCS_OK) throw UcsError(ep.error, "endpoint failed");
+  if (message.empty() || message.size() > kMaxMessage)
+    throw UcsError(UCS_ERR_INVALID_PARAM, "message size out of range");
+  uint64_t id = next_id_++;
+  Op& op = ops_[id];
+  op.id = id;
+  op.ep_id = ep_id;
+  op.notify = message;
+  op.waited = true;
+  op.flush_posted = false;
+  // No runs: the flush is posted at once, ahead of batches still waiting
+  // for the window (those post their runs after it and are not covered;
+  // cancel_ops stops the ones that must not).
+  post_flush(op, ep);  // `op` may be gone after this
+  int status = UCS_INPROGRESS;
+  if (take_sync(id, &status)) return {id, status};
+  auto it = ops_.find(id);
+  if (it != ops_.end()) it->second.waited = false;
+  wake_thread();
+  return {id, UCS_INPROGRESS};
+}
+
+size_t Engine::cancel_ops(uint64_t ep_id, const std::vector<uint64_t>& op_ids) {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t stopped = 0;
+  auto e = eps_.find(ep_id);
+  for (uint64_t id : op_ids) {
+    auto it = ops_.find(id);
+    if (it == ops_.end() || it->second.ep_id != ep_id) continue;
+    Op& op = it->second;
+    if (op.notify_posted) continue;  // its DONE left: every run was posted and flushed
+    if (e != eps_.end()) {
+      auto& w = e->second->waiting;
+      w.erase(std::remove(w.begin(), w.end(), id), w.end());
+    }
+    if (op.status == UCS_OK) op.status = UCS_ERR_CANCELED;
+    op.runs.clear();
+    op.runs.shrink_to_fit();
+    op.flush_posted = true;  // nothing more to post; its puts in flight still count
+    ++stopped;
+    finish_if_done(op);  // `op` may be gone after this
+  }
+  return stopped;
 }
 
 }  // namespace kvb::ucx

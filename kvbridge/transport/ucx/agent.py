@@ -79,6 +79,7 @@ COUNTERS = (
     "done_wrong_peer",  # a part from another peer than the expectation's
     "early_dropped",  # a part before its expect, over the peer's or the agent's bound
     "hello_refused",  # a HELLO refused (authentication, layout, stale, malformed)
+    "abort_unacked",  # a peer told ABORT did not acknowledge within abort_quiesce: closed
 )
 
 _INPROGRESS = 1  # UCS_INPROGRESS: a post that did not complete inline
@@ -148,6 +149,7 @@ class UcxAgent:
         psk: bytes | Mapping[str, bytes] | None = None,
         identity: str = "",
         allow_unauthenticated: bool = False,
+        abort_quiesce: float = 3.0,
     ) -> None:
         mod = load()
         if mod is None:
@@ -162,6 +164,9 @@ class UcxAgent:
         self._error_mode = error_mode
         if heartbeat <= 0 or peer_timeout <= heartbeat:
             raise InvalidArgument("need 0 < heartbeat < peer_timeout")
+        if not 0 < abort_quiesce <= 3600:
+            raise InvalidArgument("abort_quiesce must be in (0, 3600] seconds")
+        self._abort_quiesce = float(abort_quiesce)
         if progress not in ("thread", "loop"):
             raise InvalidArgument(f"progress must be 'thread' or 'loop', not {progress!r}")
         if not 0 <= busy_poll_us <= 1_000_000:
@@ -247,6 +252,15 @@ class UcxAgent:
         self._by_tag: dict[bytes, UcxPeer] = {}  # the tags we issued -> their peers
         self._counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._ops: dict[int, _OpEntry] = {}
+        # ABORTs we sent that their peer has not acknowledged yet: (peer, rid)
+        # -> the timer that closes the peer's endpoint at abort_quiesce; the
+        # count of such peers per request; what waits for each (a staging slot)
+        self._unacked: dict[tuple[UcxPeer, str], asyncio.TimerHandle] = {}
+        self._unacked_rids: dict[str, int] = {}
+        self._after_ack: dict[tuple[UcxPeer, str], list[Callable[[], None]]] = {}
+        # receives whose outcome is decided and held until their request is quiet
+        self._held: set[TransferHandle] = set()
+        self._check_soon = False
         self._progress: Progress | None = None
         self._hb_timer: asyncio.TimerHandle | None = None
         self._deadlines = Deadlines()  # of every handle of this agent, on one timer
@@ -342,6 +356,7 @@ class UcxAgent:
         if heads is None or hr == lay.head_range:  # in the engine's table: a put completes it
             h.token = token
         h.poller = self._poll_now
+        h.gate = self._gate
         self._expectations.add(ex, key)
         if not h.settled:
             self._kick()  # the data is probably on its way: poll for it a while
@@ -402,6 +417,18 @@ class UcxAgent:
                 entry(-16)  # UCS_ERR_CANCELED
         self._ops.clear()
         self._engine.close()  # flushes what is posted (the BYEs), then closes
+        # nothing can land any more: report what waited for its senders
+        for timer in self._unacked.values():
+            timer.cancel()
+        self._unacked.clear()
+        self._unacked_rids.clear()
+        after = [fn for fns in self._after_ack.values() for fn in fns]
+        self._after_ack.clear()
+        for fn in after:
+            fn()
+        held, self._held = self._held, set()
+        for h in held:
+            h.release()
 
     def stats(self) -> dict[str, int]:
         """What this agent dropped or refused, by reason (``COUNTERS``)."""
@@ -470,9 +497,13 @@ class UcxAgent:
     def _count(self, what: str) -> None:
         self._counts[what] += 1
 
-    def _forget(self, peer: UcxPeer) -> None:
+    def _forget(self, peer: UcxPeer, force: bool = False) -> None:
         """Drop a peer (from ``peers`` too) and release its endpoint; its
-        tag is revoked (a later message under it is dropped)."""
+        tag is revoked (a later message under it is dropped).  The ABORTs
+        it did not acknowledge are settled: with its endpoint closed its
+        puts no longer land (see docs/ucx.md, "Ending a request", for what
+        error mode "none" over TCP leaves open).  ``force``: closed without
+        a flush of what we posted to it (it stopped answering)."""
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
         if self._by_ep.pop(peer._ep, None) is None and peer._ep < 0:
@@ -484,8 +515,11 @@ class UcxAgent:
         self._expectations.fail_peer(peer, peer.error or PeerGone("peer dropped"))
         if not self._closed:
             self._engine.remove_peer(peer._rx_tag)
-            self._engine.disconnect(peer._ep)
+            self._engine.disconnect(peer._ep, force)
         peer._ep = -1
+        if self._unacked:
+            for key in [k for k in self._unacked if k[0] is peer]:
+                self._acked(*key)
 
     async def _close_peer(self, peer: UcxPeer) -> None:
         if peer.error is None and not self._closed:
@@ -500,9 +534,18 @@ class UcxAgent:
                 await asyncio.wait_for(done, 1.0)
         self._peer_gone(peer, Cancelled("peer connection closed locally"))
 
-    def _post(self, peer: UcxPeer, msg: Message, on_sent: Callable[[], None] | None = None) -> None:
+    def _post(
+        self,
+        peer: UcxPeer,
+        msg: Message,
+        on_sent: Callable[[], None] | None = None,
+        *,
+        flushed: bool = False,
+    ) -> None:
         """Send a control message under ``peer``'s tag (a HELLO, HELLO_ACK or
-        HELLO_NACK as it is); ``on_sent`` runs once it left (or failed)."""
+        HELLO_NACK as it is); ``on_sent`` runs once it left (or failed).
+        ``flushed``: after a flush of the endpoint (an ABORT of ours or an
+        ABORT_ACK: every put posted before it has landed when it arrives)."""
         hello = msg.kind <= Kind.HELLO_NACK
         if peer.error is not None or self._closed or (not hello and not peer._tx_tag):
             if on_sent is not None:
@@ -510,7 +553,12 @@ class UcxAgent:
             return
         try:
             wire = encode_message(msg, None if hello else peer._tx_tag)
-            op, status = self._engine.send(peer._ep, wire, on_sent is not None)
+            if flushed:
+                op, status = self._engine.flush_send(peer._ep, wire)
+                if status == _INPROGRESS:
+                    self._kick()  # its result is drained and dropped, unless on_sent
+            else:
+                op, status = self._engine.send(peer._ep, wire, on_sent is not None)
         except Exception as e:
             self._peer_gone(peer, map_engine_error(e, "UCX message"))
             if on_sent is not None:
@@ -599,6 +647,7 @@ class UcxAgent:
             h.finish()
         elif status == _INPROGRESS:
             self._ops[op] = h
+            h.op = op
             h.arm()
             h.poller = self._poll_now
             peer._track(h)
@@ -607,9 +656,15 @@ class UcxAgent:
             h.fail(peer.error or ucs_error(status, f"send {h.request_id!r}"))
 
     async def _put_and_wait(
-        self, peer: UcxPeer, runs: np.ndarray, notify: bytes, timeout: float
+        self,
+        peer: UcxPeer,
+        runs: np.ndarray,
+        notify: bytes,
+        timeout: float,
+        h: TransferHandle | None = None,
     ) -> None:
-        """Post a put batch and wait (at most ``timeout``) until it completed."""
+        """Post a put batch and wait (at most ``timeout``) until it completed
+        (``h``: the send it is part of; an ABORT of it stops the batch)."""
         try:
             op, status = self._engine.put(
                 peer._ep, np.ascontiguousarray(runs, dtype=np.uint64), notify, self._busy_poll_us
@@ -635,42 +690,151 @@ class UcxAgent:
 
         def expired() -> TransferTimeout:
             self._ops.pop(op, None)
+            self._stop_ops(peer, [op])
             return TransferTimeout(f"UCX put not complete within {timeout} s")
 
-        await wait_within(fut, timeout, expired)
+        if h is not None:
+            h.op = op
+        try:
+            await wait_within(fut, timeout, expired)
+        finally:
+            if h is not None:
+                h.op = 0
 
     def _landed(self, ex: Expect, l0: int, l1: int) -> None:
         self._expectations.landed(ex, l0, l1)
 
     def _abort(self, h: TransferHandle, exc: KVBridgeError) -> None:
         """A handle failed or was cancelled here: tell the peer (ABORT with the
-        ErrorCode of ``exc``) and stop the handle's task."""
+        ErrorCode of ``exc``) and stop the handle's task.
+
+        A send stops posting its puts and flushes the endpoint before the
+        ABORT, so the ABORT arrives after every byte it posted landed.  A
+        receive tells the sender it is bound to, or every connected peer
+        while it is bound to none (any of them may have a put of it on the
+        way), and its outcome is held (``_gate``) until each acknowledged
+        (ABORT_ACK) or had its endpoint closed (``abort_quiesce``)."""
         if h.task is not None:
             h.task.cancel()
-        peer: UcxPeer | None = None
         owner = h.owner
+        rid = h.request_id
         if isinstance(owner, Expect):
             self._expectations.drop(owner)
-            peer = owner.peer
+            msg = Message(
+                Kind.ABORT,
+                self.agent_id,
+                rid,
+                code=code_for_error(exc),
+                text=str(exc),
+                blob=heads_blob(owner.heads, self.layout.total_kv_heads),
+            )
+            if owner.peer is not None:
+                self._send_abort(owner.peer, rid, msg)
+            else:
+                for p in list(self._peers.values()):
+                    self._send_abort(p, rid, msg)
         elif isinstance(owner, UcxPeer):
-            peer = owner
-            peer._untrack(h)
-        if peer is None:
+            owner._untrack(h)
+            if h.op:
+                self._stop_ops(owner, [h.op])
+            msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(exc), text=str(exc))
+            self._post(owner, msg, flushed=True)
+
+    # ---- ending a request: no write of it lands after its receive ended ---------------------
+    def _stop_ops(self, peer: UcxPeer, ops: list[int]) -> None:
+        """Stop our put batches ``ops`` to ``peer``: runs not posted yet never
+        are, and their DONEs are not sent."""
+        if ops and not self._closed and peer._ep >= 0:
+            self._engine.cancel_ops(peer._ep, ops)
+
+    def _send_abort(self, peer: UcxPeer, rid: str, msg: Message) -> None:
+        """ABORT ``rid`` at ``peer`` (a sender of it, or maybe one) and wait
+        for its ABORT_ACK: until then, or until its endpoint is closed
+        (``abort_quiesce`` at most), receives of ``rid`` are held."""
+        if peer.error is not None or self._closed or not peer._tx_tag or peer._ep < 0:
             return
-        blob = (
-            heads_blob(owner.heads, self.layout.total_kv_heads)
-            if isinstance(owner, Expect)
-            else b""
-        )
-        msg = Message(
-            Kind.ABORT,
-            self.agent_id,
-            h.request_id,
-            code=code_for_error(exc),
-            text=str(exc),
-            blob=blob,
-        )
         self._post(peer, msg)
+        key = (peer, rid)
+        if key in self._unacked or peer.error is not None:
+            return
+        assert self._loop is not None
+        self._unacked[key] = self._loop.call_later(
+            self._abort_quiesce, self._ack_overdue, peer, rid
+        )
+        self._unacked_rids[rid] = self._unacked_rids.get(rid, 0) + 1
+
+    def _acked(self, peer: UcxPeer, rid: str) -> None:
+        """``peer`` can write nothing of ``rid`` any more (its ABORT_ACK came,
+        or its endpoint was closed)."""
+        key = (peer, rid)
+        timer = self._unacked.pop(key, None)
+        if timer is None:
+            return
+        timer.cancel()
+        n = self._unacked_rids.pop(rid, 1) - 1
+        if n > 0:
+            self._unacked_rids[rid] = n
+        for fn in self._after_ack.pop(key, ()):
+            fn()
+        self._check_held_soon()
+
+    def _after_quiet(self, peer: UcxPeer, rid: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once ``peer`` can write nothing of ``rid`` any more (now
+        when no ABORT of ``rid`` to it is unacknowledged)."""
+        key = (peer, rid)
+        if key in self._unacked:
+            self._after_ack.setdefault(key, []).append(fn)
+        else:
+            fn()
+
+    def _ack_overdue(self, peer: UcxPeer, rid: str) -> None:
+        """``peer`` did not acknowledge an ABORT of ``rid`` within
+        ``abort_quiesce``: close its endpoint (forced: a flush would wait for
+        it in vain) and drop it, as a dead peer."""
+        if (peer, rid) not in self._unacked or self._closed:
+            return
+        self._counts["abort_unacked"] += 1
+        err = PeerGone(
+            f"peer {peer.name[:8]} did not acknowledge the ABORT of {rid!r} within "
+            f"{self._abort_quiesce} s: its endpoint was closed"
+        )
+        self._peer_gone(peer, err, force=True)
+
+    def _gate(self, h: TransferHandle) -> bool:
+        """A receive's outcome is decided: hold it back (True) while a
+        sender's write of its request may still land, i.e. while an ABORT
+        of the request is unacknowledged or a staged part of it is being
+        unpacked.  A failure is held for at least one loop turn: the ABORTs
+        that its ending sends (``_abort``, ``_reject``) are posted right after."""
+        if h._exc is None and (not self._unacked_rids or h.request_id not in self._unacked_rids):
+            tasks = h.recv_tasks
+            if not tasks or all(t.done() for t in tasks):
+                return False
+        if h.recv_tasks and h._exc is not None:
+            for t in h.recv_tasks:
+                t.cancel()  # an unpack in progress finishes first (Staging._in_thread)
+        if self._closed or self._loop is None:
+            return False
+        self._held.add(h)
+        self._check_held_soon()
+        return True
+
+    def _check_held_soon(self) -> None:
+        if self._held and not self._check_soon and self._loop is not None and not self._closed:
+            self._check_soon = True
+            self._loop.call_soon(self._check_held)
+
+    def _check_held(self) -> None:
+        """Report the held receives whose request is quiet now."""
+        self._check_soon = False
+        for h in list(self._held):
+            tasks = h.recv_tasks
+            if self._closed or (
+                h.request_id not in self._unacked_rids
+                and (not tasks or all(t.done() for t in tasks))
+            ):
+                self._held.discard(h)
+                h.release()
 
     # ---- loop binding, progress, heartbeat -------------------------------------------------------
     def _loop_now(self) -> asyncio.AbstractEventLoop:
@@ -712,12 +876,13 @@ class UcxAgent:
                 self._post(p, Message(Kind.PING, self.agent_id))
         self._hb_timer = self._loop.call_later(self._heartbeat, self._beat)
 
-    def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError) -> None:
+    def _peer_gone(self, peer: UcxPeer, exc: KVBridgeError, *, force: bool = False) -> None:
         """``peer`` died or closed: fail what it was part of and drop it
-        (from ``peers`` too; a reconnect makes a new peer)."""
+        (from ``peers`` too; a reconnect makes a new peer); ``force``: see
+        ``_forget``."""
         peer._gone(exc)
         self._expectations.fail_peer(peer, peer.error or exc)
-        self._forget(peer)
+        self._forget(peer, force)
 
     # ---- events ------------------------------------------------------------------------------------
     def _on_events(self, drained: Any = None) -> None:
@@ -809,13 +974,20 @@ class UcxAgent:
             self._staging.on_message(peer, m)
         elif m.kind is Kind.ABORT:
             exc = error_for_code(abort_code_v2(m), m.text)
+            # our sends of it stop posting (runs not posted yet never are)
             peer._receiver_aborted(m.rid, exc)
             try:
                 named = message_heads(m, self.layout.total_kv_heads) if m.blob else None
             except KVBridgeError:
                 named = None  # a malformed head range: every part of the request from it
             self._expectations.on_abort(peer, m.rid, named, exc)
+            # after a flush: every put of ours posted before has landed there
+            self._post(peer, Message(Kind.ABORT_ACK, self.agent_id, m.rid), flushed=True)
+        elif m.kind is Kind.ABORT_ACK:
+            self._acked(peer, m.rid)
 
     def _reject(self, peer: UcxPeer, rid: str, why: KVBridgeError) -> None:
+        """Refuse ``peer``'s part of ``rid``: an ABORT it must acknowledge
+        (receives of ``rid`` are held until it did)."""
         msg = Message(Kind.ABORT, self.agent_id, rid, code=code_for_error(why), text=str(why))
-        self._post(peer, msg)
+        self._send_abort(peer, rid, msg)

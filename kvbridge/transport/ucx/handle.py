@@ -94,6 +94,15 @@ class TransferHandle(TransferHandleBase[UcxStats]):
         self.poller: Callable[[int, int], None] | None = None
         self.token = 0  # a receive's expectation in the engine (set by the agent); 0: none
         self._waiters: list[asyncio.Future[None]] = []
+        # A receive's outcome is reported only once no sender's write of its
+        # request can land any more: ``gate(handle)`` (set by the agent) says
+        # whether to hold the decided outcome back; the agent calls
+        # ``release()`` once the senders it told ABORT acknowledged (or their
+        # endpoints were closed).  ``op``: a put-path send's batch in the engine.
+        self.gate: Callable[[TransferHandle], bool] | None = None
+        self._held = False
+        self.op = 0
+        self.recv_tasks: set[asyncio.Task[None]] | None = None  # a receive's staged parts
 
     @classmethod
     def completed_send(
@@ -137,6 +146,10 @@ class TransferHandle(TransferHandleBase[UcxStats]):
         h.poller = None
         h.token = 0
         h._waiters = []
+        h.gate = None
+        h._held = False
+        h.op = 0
+        h.recv_tasks = None
         return h
 
     @property
@@ -147,7 +160,9 @@ class TransferHandle(TransferHandleBase[UcxStats]):
         fut = self._future
         if fut is None:
             fut = self._future = self._loop.create_future()
-            if self._state == _DONE:
+            if self._held:
+                pass  # resolved by release()
+            elif self._state == _DONE:
                 fut.set_result(self.stats)
             elif self._state == _FAILED:
                 fut.set_exception(self._exc)  # type: ignore[arg-type]
@@ -177,7 +192,7 @@ class TransferHandle(TransferHandleBase[UcxStats]):
             # worker here for a bounded slice (at most the agent's
             # busy_poll_us) before paying the loop hop of a waiter.
             self.poller(AWAIT_SPIN_US, self.token)
-        if not self._state:
+        if not self._state or self._held:
             # The task waits on a future of its own, resolved by _resolve: one
             # loop hop, and cancelling the task leaves the transfer alone.
             waiter: asyncio.Future[None] = self._loop.create_future()
@@ -196,6 +211,27 @@ class TransferHandle(TransferHandleBase[UcxStats]):
             return
         self._state = _DONE if exc is None else _FAILED
         self._exc = exc
+        gate = self.gate
+        if gate is not None and gate(self):
+            self._held = True  # decided; reported by release()
+            return
+        self._publish()
+
+    def release(self) -> None:
+        """Report the outcome held back by the gate (the request's senders
+        were quiesced)."""
+        if self._held:
+            self._held = False
+            self._publish()
+
+    @property
+    def held(self) -> bool:
+        """Decided, but not reported yet: a sender told ABORT has not yet
+        acknowledged (or been disconnected)."""
+        return self._held
+
+    def _publish(self) -> None:
+        exc = self._exc
         if self._future is not None:  # someone asked for the base's future: resolve it too
             self._settle(exc, self.stats)  # the stats, with no clock read for the base's seconds
         if self._waiters:
@@ -207,15 +243,18 @@ class TransferHandle(TransferHandleBase[UcxStats]):
     # -- state ------------------------------------------------------------------
     @property
     def settled(self) -> bool:
-        """Resolved, without polling (what kvbridge's own code checks)."""
+        """Decided, without polling (what kvbridge's own code checks; the
+        outcome may still be held back, see ``held``)."""
         return self._state != _PENDING
 
     def done(self) -> bool:
         """Resolved; a handle still in flight first progresses the worker
-        once and accounts what arrived (no event-loop round trip)."""
+        once and accounts what arrived (no event-loop round trip).  A
+        receive is done only once no write of a sender of its request can
+        land in its pages any more."""
         if not self._state and self.poller is not None:
             self.poller(0, self.token)
-        return self._state != _PENDING
+        return self._state != _PENDING and not self._held
 
     def exception(self) -> BaseException | None:
         return self._exc

@@ -7,7 +7,10 @@ Every message is one UCX active message of at most ``MAX_MESSAGE`` bytes::
     (request id as UTF-8, text, blob)
 
 The meaning of the numeric fields depends on the kind (see :class:`Message`).
-Version 3 (this build, the only one it reads): the sender field of every
+Version 4 (what this build writes; it reads 3 and 4): an ABORT is
+answered with an ABORT_ACK once the answering agent stopped its sends of
+that request and flushed its endpoint (docs/ucx.md, "Ending a request").
+Since version 3 the sender field of every
 message but HELLO is the *connection tag* the receiver issued to the sender
 in the HELLO exchange (a HELLO carries the sender's agent id there, and the
 tag it issues in its blob: :class:`HelloBlob`); the receiver takes the
@@ -49,7 +52,7 @@ __all__ = [
 ]
 
 MAGIC = 0x4B55
-VERSION = 3
+VERSION = 4
 MIN_VERSION = 3
 MAX_MESSAGE = 60 * 1024
 MAX_RID = 1024
@@ -74,6 +77,10 @@ class Kind(enum.IntEnum):
     ABORT = 8  # rid, code, text; blob: heads (the receiver's part that failed)
     BYE = 9
     PING = 10  # liveness: sent every heartbeat interval
+    # version 4: the answer to an ABORT of rid, sent after the answering agent
+    # stopped its sends of rid and flushed its endpoint (none of its puts of
+    # rid can land after it arrives)
+    ABORT_ACK = 11
 
 
 @dataclass(frozen=True)

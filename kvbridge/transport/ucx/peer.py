@@ -162,9 +162,10 @@ class UcxPeer:
         self._check()
         rid = str(request_id)
         exc = error if error is not None else Cancelled(f"request {rid!r} aborted by the sender")
-        self._fail_sends(exc, rid)
+        self._fail_sends(exc, rid)  # their puts not posted yet never are
         msg = Message(Kind.ABORT, self._host.agent_id, rid, code=code_for_error(exc), text=str(exc))
-        self._host._post(self, msg)
+        # after a flush: the ABORT arrives after every byte we posted landed
+        self._host._post(self, msg, flushed=True)
 
     async def close(self) -> None:
         """Say goodbye and release the endpoint."""
@@ -230,14 +231,21 @@ class UcxPeer:
         return [h for h in self._sends.values() if h.request_id == rid]
 
     def _fail_sends(self, exc: KVBridgeError, rid: str | None = None) -> None:
-        """Fail our sends to this peer (of ``rid``, or all) and stop their tasks."""
+        """Fail our sends to this peer (of ``rid``, or all) and stop their
+        tasks; a send of ``rid`` stops its put batch in the engine (its runs
+        not posted yet never are, its DONE is not sent)."""
+        ops = []
         for h in list(self._sends.values()):
             if rid is not None and h.request_id != rid:
                 continue
+            if h.op:
+                ops.append(h.op)
             h.fail(exc)
             if h.task is not None:
                 h.task.cancel()
             self._sends.pop(id(h), None)
+        if rid is not None and ops:
+            self._host._stop_ops(self, ops)
 
     def _receiver_aborted(self, rid: str, exc: KVBridgeError) -> None:
         """The peer aborted ``rid``: fail our sends of it, and refuse later

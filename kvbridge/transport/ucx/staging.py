@@ -218,7 +218,7 @@ class Staging:
                     [[self.region_id, slot, peer._staging_index, ready.slot, n]], dtype=np.uint64
                 )
                 await host._put_and_wait(
-                    peer, runs, encode_message(chunk, sender=peer._tx_tag), host._timeout
+                    peer, runs, encode_message(chunk, sender=peer._tx_tag), host._timeout, h
                 )
                 h.stats.chunks += 1
                 h.stats.runs += 1
@@ -243,7 +243,22 @@ class Staging:
 
     # ---- receiving ----------------------------------------------------------------------
     def start_recv(self, ex: Expect, peer: UcxPeer, req: Message) -> None:
-        self._spawn(self._recv(ex, peer, req))
+        """Receive a staged part; the receive's outcome is not reported while
+        the task runs (its unpack writes into the pages)."""
+        h = ex.handle
+        task = self._spawn(self._recv(ex, peer, req))
+        if h.recv_tasks is None:
+            h.recv_tasks = set()
+        h.recv_tasks.add(task)
+        host = self._host
+
+        def ended(t: asyncio.Task[None]) -> None:
+            if h.recv_tasks is not None:
+                h.recv_tasks.discard(t)
+            if h.held:
+                host._check_held_soon()
+
+        task.add_done_callback(ended)
 
     async def _recv(self, ex: Expect, peer: UcxPeer, req: Message) -> None:
         host = self._host
@@ -279,6 +294,8 @@ class Staging:
                 )
                 host._post(peer, ready)
                 chunk = await q.get()
+                if h.settled:  # ended meanwhile: its pages are not ours to write
+                    break
                 if (
                     chunk.kind is not Kind.STAGE_CHUNK
                     or chunk.offset != got
@@ -308,7 +325,13 @@ class Staging:
                 host._abort(h, err)
         finally:
             self._chunks.pop(key, None)
-            self._slots.put_nowait(slot)
+            slots = self._slots
+            if h.exception() is not None:
+                # the sender may still have a chunk on its way into the slot:
+                # reused once it acknowledged our ABORT (or was disconnected)
+                host._after_quiet(peer, req.rid, lambda: slots.put_nowait(slot))
+            else:
+                slots.put_nowait(slot)
 
     # ---- lifetime ------------------------------------------------------------------------
     async def close(self) -> None:
