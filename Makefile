@@ -11,7 +11,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # bench/: pytest-benchmark files (test_*.py) and side-by-side scripts whose checks run too (bench_*.py)
 BENCH_FILES := -o python_files='test_*.py bench_*.py'
 
-.PHONY: all venv build test test-fast chaos soak bench bench-quick bench-targets demo lint format asan cuda-check fuzz clean inplace \
+.PHONY: all venv build test test-fast chaos soak bench bench-quick bench-targets demo demo-fleet lint format asan cuda-check fuzz clean inplace \
 	vllm-venv vllm033-src test-vllm demo-vllm
 
 all: build
@@ -68,6 +68,11 @@ bench-targets: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvbridge-bench demo
+
+# The fleet on etcd: 2 prefills, 1 relay, 2 main decodes, one killed halfway,
+# one joining later (docs/fleet.md; a few minutes)
+demo-fleet: $(STAMP)
+	$(BIN)/kvbridge-bench fleet
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvbridge kvbench tests bench examples

@@ -302,3 +302,4 @@ def test_sync_bridge_sends_to_a_decode_named_by_identity(etcd: EtcdServer) -> No
         on_loop(watcher.close())
         loop.call_soon_threadsafe(loop.stop)
         th.join(10)
+        loop.close()

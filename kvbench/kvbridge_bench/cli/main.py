@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "pack": "pack/unpack bandwidth for real KV layouts vs memcpy and torch",
     "radix": "WAN bytes saved by the decode-side radix cache on an agent trace",
     "demo": "the full cross-datacenter PDD demo (what `make demo` runs)",
+    "fleet": "the fleet demo on etcd: a main decode killed and one joining (make demo-fleet)",
     "handoff": "100-token handoff: token IDs vs incremental KV over an emulated WAN",
     "compare": "kvbridge UCX vs NIXL vs Mooncake vs raw ucxx on the same KV pages",
     "latency": "4 KiB / 64 KiB put-to-landed latency: kvbridge UCX and TCP vs NIXL and uvloop",

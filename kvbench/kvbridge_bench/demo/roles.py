@@ -192,6 +192,12 @@ class _Role:
 # ---- main decode -------------------------------------------------------------------------
 class MainDecode(_Role):
     name = "md"
+    identity = "main-decode"
+    relay_identity = RELAY_IDENTITY
+
+    def senders(self) -> list[str]:
+        """The identities that may connect (the prefills and the relay)."""
+        return [PREFILL_IDENTITY, RELAY_IDENTITY]
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -205,23 +211,21 @@ class MainDecode(_Role):
         self.core = PddCore(pdd_config(cfg))
         self.bridge = DecodeBridge(
             PagedKVCache(self.layout, self.engine.kv_cache),
-            identity="main-decode",
+            identity=self.identity,
             tcp_listen=(self.host, 0),
             # the WAN links authenticate: a per-peer pre-shared key, and only
             # the prefill and the relay may connect
-            psk={
-                PREFILL_IDENTITY: cfg.psk(PREFILL_IDENTITY),
-                RELAY_IDENTITY: cfg.psk(RELAY_IDENTITY),
-            },
-            allowed_identities=frozenset({PREFILL_IDENTITY, RELAY_IDENTITY}),
+            psk={s: cfg.psk(s) for s in self.senders()},
+            allowed_identities=frozenset(self.senders()),
         )
         await self.bridge.start()
         self.starts: dict[int, asyncio.Future[Start]] = {}
         self.completions: dict[int, asyncio.Future[Completion]] = {}
+        self.prefill_of: dict[int, str] = {}  # request -> the prefill that asked
         self.bridge.on_control(FRAME_PREFIX_QUERY, self._on_query)
         self.bridge.on_control(FRAME_PREFIX_CANCEL, self._on_cancel)
         self.bridge.on_control(Kind.START, self._on_start)
-        self.channel.link_receiver("rld", self.bridge, RELAY_IDENTITY)
+        self.channel.link_receiver("rld", self.bridge, self.relay_identity)
 
     def _fresh_cache(self) -> None:
         cfg = self.cfg
@@ -266,6 +270,8 @@ class MainDecode(_Role):
         q = decode_prefix_message(frame_type, payload)
         if not isinstance(q, PrefixQuery):
             return
+        peer = getattr(conn, "peer", None)
+        self.prefill_of[q.request_id] = peer.identity if peer else PREFILL_IDENTITY
         with self.lock:
             out = self.negotiator.handle_query(q, time.monotonic())
         reply = out.reply
@@ -329,7 +335,8 @@ class MainDecode(_Role):
                 f"{rid}/f{fid}", table, start, end, timeout=self.cfg.request_timeout_s
             )
             msg = PrefixFetch(rid, lease_id, start, end, exp.ticket)
-            self.bridge.tcp.send_control(PREFILL_IDENTITY, *encode_prefix_message(msg))
+            to = self.prefill_of.get(rid, PREFILL_IDENTITY)
+            self.bridge.tcp.send_control(to, *encode_prefix_message(msg))
             await exp.wait(self.cfg.request_timeout_s)
             with self.lock:
                 self.negotiator.fetch_landed(fid)
@@ -398,6 +405,7 @@ class MainDecode(_Role):
             log.warning("main decode, request %s: %s", rid, e)
         finally:
             self.starts.pop(rid, None)
+            self.prefill_of.pop(rid, None)
             if not completion and not comp_fut.done():
                 # the relay finished the request first, or it failed: still take the
                 # KV, so that the radix cache stays aligned with the prefill side's
@@ -428,6 +436,7 @@ class MainDecode(_Role):
 # ---- relay decode ------------------------------------------------------------------------
 class RelayDecode(_Role):
     name = "rld"
+    identity = RELAY_IDENTITY
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -439,19 +448,19 @@ class RelayDecode(_Role):
         ucx = cfg.rld_transport == "ucx"
         self.bridge = DecodeBridge(
             PagedKVCache(self.layout, self.engine.kv_cache),
-            identity="relay-decode",
+            identity=self.identity,
             tcp_listen=None if ucx else (self.host, 0),
             ucx=ucx,
         )
         await self.bridge.start()
-        self.md: TcpSender | None = None
+        self.mds: dict[str, TcpSender] = {}  # handoff links, by main decode name
         # the relay's load, its seconds per step and every request's budget
         self.core = PddCore(pdd_config(cfg))
         self.starts: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
     async def teardown(self) -> None:
-        if self.md is not None:
-            await self.md.close()
+        for md in self.mds.values():
+            await md.close()
         await self.bridge.close()
 
     async def op_info(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -462,18 +471,27 @@ class RelayDecode(_Role):
 
     async def op_connect(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Open the handoff link to the main decode, across the WAN."""
-        self.md = TcpSender(
-            msg["host"],
-            int(msg["port"]),
+        await self.link_md(str(msg.get("name", "md")), msg["host"], int(msg["port"]))
+        return {}
+
+    async def link_md(self, name: str, host: str, port: int, expected: str | None = None) -> None:
+        """The handoff link to main decode ``name`` (replacing an older one)."""
+        md = TcpSender(
+            host,
+            port,
             streams=1,
-            identity=RELAY_IDENTITY,
+            identity=self.identity,
             compat_hash=self.layout.compat_hash,
             compression="off",
-            psk=self.cfg.psk(RELAY_IDENTITY),
+            psk=self.cfg.psk(self.identity),
+            expected_peer=expected,
         )
-        await self.md.connect()
-        self.channel.link_sender("md", self.md)
-        return {}
+        await md.connect()
+        old = self.mds.pop(name, None)
+        if old is not None:
+            await old.close()
+        self.mds[name] = md
+        self.channel.link_sender(name, md)
 
     async def op_prepare(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Pages for the prompt and the expectation of its KV, while the prefill
@@ -489,7 +507,8 @@ class RelayDecode(_Role):
             rid, bt, 0, len(prompt), via=self.cfg.rld_transport, timeout=self.cfg.request_timeout_s
         )
         self.starts[rid] = asyncio.get_running_loop().create_future()
-        self.spawn(self._run(rid, prompt, params_from(msg["params"]), str(msg["mode"]), exp))
+        main = str(msg.get("md", "md"))
+        self.spawn(self._run(rid, prompt, params_from(msg["params"]), str(msg["mode"]), exp, main))
         return {"ticket": exp.ticket.hex()}
 
     async def op_start(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -500,7 +519,13 @@ class RelayDecode(_Role):
         return {}
 
     async def _run(
-        self, rid: int, prompt: list[int], params: SamplingParams, mode: str, exp: Expectation
+        self,
+        rid: int,
+        prompt: list[int],
+        params: SamplingParams,
+        mode: str,
+        exp: Expectation,
+        main: str = "md",
     ) -> None:
         cfg = self.cfg
         stats: dict[str, Any] = {"rid": rid, "mode_asked": mode}
@@ -534,7 +559,7 @@ class RelayDecode(_Role):
                 spec,
                 self.node,
                 load_kv,
-                main="md",
+                main=main,
                 client="client",
                 core=self.core,
                 kv_timeout=cfg.request_timeout_s,
@@ -563,6 +588,7 @@ class RelayDecode(_Role):
 # ---- prefill -----------------------------------------------------------------------------
 class Prefill(_Role):
     name = "p"
+    identity = PREFILL_IDENTITY
 
     async def setup(self) -> None:
         cfg = self.cfg
@@ -575,9 +601,7 @@ class Prefill(_Role):
         )
         self.prefix = PrefixPrefill(self.engine, self.radix, self.lock)
         self.worker = EngineWorker(self.engine, name="p")
-        self.bridge = PrefillBridge(
-            PagedKVCache(self.layout, self.engine.kv_cache), identity=PREFILL_IDENTITY
-        )
+        self.bridge = self.make_bridge(PagedKVCache(self.layout, self.engine.kv_cache))
         self.replies: dict[int, asyncio.Future[PrefixReply]] = {}
         self.rld: ControlClient | None = None
         router = Router(
@@ -602,27 +626,38 @@ class Prefill(_Role):
         self.prompts: dict[int, tuple[list[int], float]] = {}  # for PREFIX_FETCH
         self.warm_pins: list[Any] = []
 
+    def make_bridge(self, cache: PagedKVCache) -> PrefillBridge:
+        return PrefillBridge(cache, identity=self.identity)
+
     async def teardown(self) -> None:
         if self.rld is not None:
             await self.rld.close()
         await self.bridge.close()
 
+    def wan_peer(self) -> PeerConfig:
+        """How the prefill reaches a main decode across the WAN."""
+        cfg = self.cfg
+        return PeerConfig(
+            "tcp", streams=cfg.wan_streams, chunk_size=cfg.wan_chunk, psk=cfg.psk(self.identity)
+        )
+
+    async def md_sender(self, name: str) -> TcpSender:
+        """The TCP sender to main decode ``name`` (connected by ``connect``)."""
+        return self.bridge.tcp_sender(name)
+
+    def listen_md(self, name: str, md: TcpSender) -> None:
+        """The main decode's PREFIX_REPLY and PREFIX_FETCH messages."""
+        md.on_control(FRAME_PREFIX_REPLY, self._on_reply)
+        md.on_control(FRAME_PREFIX_FETCH, lambda c, t, p: self._on_fetch(c, t, p, name))
+
     async def op_connect(self, msg: dict[str, Any]) -> dict[str, Any]:
         cfg = self.cfg
-        await self.bridge.connect(
-            "md",
-            PeerConfig(
-                "tcp",
-                msg["md_host"],
-                int(msg["md_port"]),
-                streams=cfg.wan_streams,
-                chunk_size=cfg.wan_chunk,
-                psk=cfg.psk(PREFILL_IDENTITY),
-            ),
-        )
-        md = self.bridge.tcp_sender("md")
-        md.on_control(FRAME_PREFIX_REPLY, self._on_reply)
-        md.on_control(FRAME_PREFIX_FETCH, self._on_fetch)
+        if "md_host" in msg:
+            await self.bridge.connect(
+                "md",
+                dataclasses.replace(self.wan_peer(), host=msg["md_host"], port=int(msg["md_port"])),
+            )
+            self.listen_md("md", self.bridge.tcp_sender("md"))
         if cfg.rld_transport == "ucx":
             await self.bridge.connect(
                 "rld", PeerConfig("ucx", metadata=bytes.fromhex(msg["rld_ucx"]))
@@ -663,14 +698,14 @@ class Prefill(_Role):
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
-    def _on_fetch(self, conn: Any, frame_type: int, payload: bytes) -> None:
+    def _on_fetch(self, conn: Any, frame_type: int, payload: bytes, name: str = "md") -> None:
         msg = decode_prefix_message(frame_type, payload)
         if isinstance(msg, PrefixFetch):
-            self.spawn(self._serve_fetch(msg))
+            self.spawn(self._serve_fetch(msg, name))
 
-    async def _serve_fetch(self, f: PrefixFetch) -> None:
+    async def _serve_fetch(self, f: PrefixFetch, name: str = "md") -> None:
         """The main decode lost a transfer it waited for: send it this range."""
-        md = self.bridge.tcp_sender("md")
+        md = self.bridge.tcp_sender(name)
         held = self.prompts.get(f.request_id)
         w = self.worker
         assert w is not None
@@ -684,7 +719,7 @@ class Prefill(_Role):
         try:
             rid = Ticket.decode(f.transfer_token).request_id
             ms = self.bridge.send(
-                rid, done.block_table, {"md": f.transfer_token}, timeout=self.cfg.request_timeout_s
+                rid, done.block_table, {name: f.transfer_token}, timeout=self.cfg.request_timeout_s
             )
             await ms.wait_all(self.cfg.request_timeout_s + 5)
         finally:
@@ -696,7 +731,8 @@ class Prefill(_Role):
         prompt = [int(t) for t in msg["prompt"]]
         params = params_from(msg["params"])
         n = len(prompt)
-        md = self.bridge.tcp_sender("md")
+        md_name = str(msg.get("md", "md"))  # the main decode's destination name
+        md = await self.md_sender(md_name)
         w = self.worker
         assert w is not None and self.rld is not None
         t_arrive = time.monotonic()
@@ -727,6 +763,8 @@ class Prefill(_Role):
         # 2. the PDD core routes: P-MD, P-RLD-MD, or (anomalous filter) P-RLD;
         # the other pipelines are fixed (same_dc: the relay serves it, "P-D")
         fixed = {"pdd": None, "same_dc": Pipeline.P_RLD}.get(pipeline, Pipeline.P_MD)
+        if msg.get("route"):  # chosen by a fleet router upstream
+            fixed = Pipeline(msg["route"])
         (rt,) = self.core.handle(
             Arrive(rid, n, matched, params.max_new_tokens, t_arrive, compute_est, fixed)
         )
@@ -756,6 +794,7 @@ class Prefill(_Role):
                     prompt=prompt,
                     params=params_to(params),
                     mode="relay" if relayed else "serve",
+                    md=md_name,
                 )
             )
         # 4. prefill on the engine's worker thread (one at a time: it is compute-bound)
@@ -788,7 +827,7 @@ class Prefill(_Role):
                     Kind.START, encode(Start(rid, tuple(prompt), first, params, relayed))
                 )
                 if reply is not None and reply.transfer_token:
-                    tickets["md"] = reply.transfer_token
+                    tickets[md_name] = reply.transfer_token
             if prep is not None:
                 r = await prep
                 tickets["rld"] = bytes.fromhex(r["ticket"])
@@ -803,7 +842,8 @@ class Prefill(_Role):
             now = time.monotonic()
             for k in [k for k, (_, exp) in self.prompts.items() if exp < now]:
                 del self.prompts[k]
-        for name, res in results.items():
+        for dest, res in results.items():
+            name = "md" if dest == md_name else dest
             if isinstance(res, KVBridgeError):
                 out[f"{name}_error"] = f"{type(res).__name__}: {res}"
             else:
@@ -812,7 +852,7 @@ class Prefill(_Role):
                 out[f"{name}_s"] = res.seconds
                 out[f"{name}_path"] = res.path
                 if name == "md":
-                    self.core.handle(KVSent(rid, name, res.bytes, res.seconds, time.monotonic()))
+                    self.core.handle(KVSent(rid, "md", res.bytes, res.seconds, time.monotonic()))
         return out
 
 
