@@ -130,14 +130,6 @@ class _LoadHeap:
         return len(self._heap)
 
 
-def _bits(mask: int):  # type: ignore[no-untyped-def]
-    """The set bits of ``mask``, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low
-        mask ^= low
-
-
 class FleetRouter:
     def __init__(self, router: Router, config: FleetConfig | None = None) -> None:
         self.router = router
@@ -297,15 +289,19 @@ class FleetRouter:
         best, best_pages = least, _depth(levels, least.bit)
         best_w = floor - best_pages * pt
         mask = self._mask[Role.PREFILL]
+        by_bit = self._by_bit
         seen = 0
         for i in range(len(levels) - 1, -1, -1):
-            if best_w <= floor - (i + 1) * pt:
+            saved = (i + 1) * pt
+            if best_w <= floor - saved:
                 break  # nobody holding at most i + 1 pages beats it
-            for bit in _bits(levels[i] & mask & ~seen):
-                eng = self._by_bit[bit]
-                w = eng.queued - (i + 1) * pt
-                if w < best_w:
-                    best, best_pages, best_w = eng, i + 1, w
+            new = levels[i] & mask & ~seen
+            while new:
+                bit = new & -new
+                new ^= bit
+                eng = by_bit[bit]
+                if eng.queued - saved < best_w:
+                    best, best_pages, best_w = eng, i + 1, eng.queued - saved
             seen |= levels[i]
         return best, best_pages
 
@@ -365,15 +361,16 @@ class FleetRouter:
         pages = eng.pages
         # held pages are in ``pages`` (a holder's bit is set exactly for its pages)
         deque(map(pages.move_to_end, hashes[:held]), maxlen=0)
-        holders = self._holders
-        bit = eng.bit
-        for h in hashes[held:]:
-            if h in pages:
-                pages.move_to_end(h)
-            else:
-                pages[h] = None
-                holders[h] = holders.get(h, 0) | bit
-        self._evict(eng)
+        tail = hashes[held:]
+        new = [h for h in tail if h not in pages]
+        if len(new) != len(tail):  # pages held past a gap: refreshed too
+            deque(map(pages.move_to_end, [h for h in tail if h in pages]), maxlen=0)
+        if new:
+            pages.update(dict.fromkeys(new))
+            holders, bit = self._holders, eng.bit
+            get = holders.get
+            holders.update({h: get(h, 0) | bit for h in new})
+            self._evict(eng)
 
     def _note(self, eng: _Engine, h: bytes) -> None:
         if h in eng.pages:
