@@ -7,6 +7,7 @@ Every key is optional (docs/vllm.md lists them with their defaults)::
                                             # model directory's name)
      "listen": "0.0.0.0:7400",              # decode: the kvbridge TCP listener
      "ucx": false,                          # decode: also accept UCX one-sided puts
+     "ucx_error_mode": "peer",              # UCX endpoints: "peer" or "none" (docs/vllm.md)
      "peers": {"md":  "10.0.0.2:7400",      # prefill: the decodes, by identity
                "rld": {"addr": "127.0.0.1:7401", "transport": "ucx"},
                "md2": {"addr": "10.0.0.3:7400", "tp": 2}},  # rank r on port + r
@@ -96,6 +97,10 @@ class ConnectorConfig:
     model_id: str
     listen: tuple[str, int] | None = None
     ucx: bool = False
+    # UCX endpoints' error handling: "peer" (default) lets a receiver close a
+    # stalled sender's endpoint so that none of its posted puts lands later
+    # (docs/ucx.md, "Ending a request"); "none" keeps TCP zero-copy puts
+    ucx_error_mode: str = "peer"
     peers: tuple[PeerSpec, ...] = ()
     psk: bytes | None = None
     streams: int = 4
@@ -175,6 +180,7 @@ class ConnectorConfig:
             model_id=str(model_id),
             listen=listen,
             ucx=bool(d.get("ucx", False)),
+            ucx_error_mode=_error_mode(d.get("ucx_error_mode", "peer")),
             peers=tuple(peers),
             psk=key,
             streams=streams,
@@ -198,3 +204,11 @@ def _registry(raw: Any) -> Any:
     from .fleet import RegistrySpec
 
     return RegistrySpec.from_extra(raw)
+
+
+def _error_mode(v: Any) -> str:
+    if v not in ("peer", "none"):
+        raise InvalidArgument(
+            f"kv_connector_extra_config['ucx_error_mode'] must be 'peer' or 'none', got {v!r}"
+        )
+    return str(v)

@@ -295,6 +295,7 @@ class ConnectorWorker:
             psk=cfg.psk,
             ucx=cfg.ucx and self.consumer,
             lease_timeout=cfg.lease_s,
+            ucx_options={"error_mode": cfg.ucx_error_mode},
             **kw,
         )
         with _wide_affinity():
