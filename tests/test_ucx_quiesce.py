@@ -239,10 +239,24 @@ def _unacknowledged_abort_case(mode: str) -> None:
             assert (await loop.run_in_executor(None, proc.recv, 30))[0] == "ok"
             rng = np.random.default_rng(4)
             sbt, dbt = rng.permutation(PAGES), rng.permutation(PAGES)
-            he = b.expect("stopped", dbt, 0, TOKENS)
-            proc.send("send", [(0, "stopped", sbt, dbt, 0, TOKENS, [None])])
-            await until_landing(dst, "stopped sender")
-            os.kill(proc.p.pid, signal.SIGSTOP)
+            for attempt in range(5):
+                # stopped in the middle of its puts; on a fast, idle machine the
+                # whole send may land before the stop: then again, a new request
+                rid = f"stopped-{attempt}"
+                he = b.expect(rid, dbt, 0, TOKENS)
+                proc.send("send", [(0, rid, sbt, dbt, 0, TOKENS, [None])])
+                await until_landing(dst, "stopped sender")
+                os.kill(proc.p.pid, signal.SIGSTOP)
+                await asyncio.sleep(0.05)  # what was in flight is handled first
+                if not he.done():
+                    break
+                os.kill(proc.p.pid, signal.SIGCONT)
+                await he
+                await loop.run_in_executor(None, proc.recv, 30)  # the sender's report
+                for t in dst:
+                    t[...] = 0
+            else:
+                raise AssertionError("every send landed whole before its sender was stopped")
             t0 = loop.time()
             he.cancel()
             with pytest.raises(Cancelled):
