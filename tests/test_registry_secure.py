@@ -78,8 +78,10 @@ def test_tls_client_certificate_and_password(
                 port=srv.port, ca_file=str(certs["ca"]), username="kv", password="kvpw",
                 timeout_s=1.0, retry_s=0.2,
             )  # fmt: skip
+            stray = EtcdRegistration(record("md-2"), nocert, ttl_s=3)
             with caplog.at_level(logging.WARNING, "kvbridge.registry"), pytest.raises(TimeoutError):
-                await EtcdRegistration(record("md-2"), nocert, ttl_s=3).start(timeout_s=3)
+                await stray.start(timeout_s=3)
+            await stray.close()
             assert "etcd unreachable" in caplog.text
             # the user may not write outside kvbridge's prefix (etcd's roles hold)
             admin = _Client(good)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -94,21 +95,30 @@ class _Client(aetcd.Client):  # type: ignore[misc]
             )
 
     async def connect(self) -> None:
-        if self._creds is None:
-            await super().connect()
-            return
-        # aetcd opens an insecure channel; open the TLS one the same way
-        real = aetcd.rpc.insecure_channel
-        creds = self._creds
-
-        def secure(target: str, options: Any = None) -> Any:
-            return aetcd.rpc.secure_channel(target, creds, options=options)
-
-        aetcd.rpc.insecure_channel = secure
+        # aetcd opens an insecure channel: the credentials of this connect
+        # (a context variable, so only this task sees them) make it TLS
+        token = _TLS.set(self._creds)
         try:
             await super().connect()
         finally:
-            aetcd.rpc.insecure_channel = real
+            _TLS.reset(token)
+
+
+# aetcd's channel factory, once: TLS where the connecting task asks for it
+_TLS: contextvars.ContextVar[grpc.ChannelCredentials | None] = contextvars.ContextVar(
+    "kvbridge_etcd_tls", default=None
+)
+_insecure_channel = aetcd.rpc.insecure_channel
+
+
+def _channel(target: str, options: Any = None) -> Any:
+    creds = _TLS.get()
+    if creds is None:
+        return _insecure_channel(target, options=options)
+    return aetcd.rpc.secure_channel(target, creds, options=options)
+
+
+aetcd.rpc.insecure_channel = _channel
 
 
 class EtcdRegistration:
