@@ -190,7 +190,7 @@ def test_fleet_routes_by_prefix_and_fails_over(fleet: dict[str, Any]) -> None:
             assert moved[other] == 0, moved
             if turn == 0:
                 where[sess] = main
-                # nothing of this session was there: the whole prompt's KV crossed
+                # none of this prompt was on that main decode yet: all its KV crossed
                 assert moved[main] == len(prompt) * BYTES_PER_TOKEN, (moved, len(prompt))
             else:
                 assert main == where[sess]  # prefix affinity (and the session)
