@@ -28,7 +28,7 @@ from ..errors import Cancelled, IncompatiblePeer, InvalidArgument, KVBridgeError
 from ..span import KVSpan
 from ..transport.tcp.kvio import KVSource
 from ..transport.tcp.sender import TcpSender
-from .handles import Delivery, DeliveryStats
+from .handles import Delivery, DeliveryStats, count_outcome
 from .layerwise import LayerwiseSource
 from .ticket import Ticket, TicketTransport
 
@@ -128,18 +128,7 @@ class Destination(abc.ABC):
 
     def _counted(self, d: Delivery) -> Delivery:
         self.stats.sends += 1
-
-        def done(dd: Delivery) -> None:
-            try:
-                out = dd.outcome()
-            except BaseException:  # cancelled, or not a kvbridge error
-                out = None
-            if isinstance(out, DeliveryStats):
-                self.stats.bytes += out.bytes
-            else:
-                self.stats.failed += 1
-
-        d.add_done_callback(done)
+        count_outcome(d, self.stats)
         return d
 
 

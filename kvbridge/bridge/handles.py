@@ -19,7 +19,7 @@ from typing import Any
 from .._waits import wait_within
 from ..errors import KVBridgeError, TransferTimeout
 
-__all__ = ["Delivery", "DeliveryStats", "MultiSend", "Outcome", "SendGroup"]
+__all__ = ["Delivery", "DeliveryStats", "MultiSend", "Outcome", "SendGroup", "count_outcome"]
 
 
 @dataclass
@@ -235,3 +235,20 @@ class MultiSend(SendGroup):
     def fail(self, exc: KVBridgeError) -> None:
         for d in self.deliveries.values():
             d.fail(exc)
+
+
+def count_outcome(d: Delivery, stats: Any) -> None:
+    """When ``d`` ends, add its bytes to ``stats.bytes``, or one to
+    ``stats.failed`` (a typed failure, a cancel, anything else)."""
+
+    def done(dd: Delivery) -> None:
+        try:
+            out = dd.outcome()
+        except BaseException:  # cancelled, or not a kvbridge error
+            out = None
+        if isinstance(out, DeliveryStats):
+            stats.bytes += out.bytes
+        else:
+            stats.failed += 1
+
+    d.add_done_callback(done)

@@ -30,7 +30,7 @@ from ..layout import KVLayout
 from ..span import KVSpan
 from ..transport.tcp import ReceiverLimits, TcpReceiver
 from ..transport.tcp.kvio import KVSink
-from .handles import Delivery, DeliveryStats
+from .handles import Delivery, DeliveryStats, count_outcome
 from .identity import wrap_ucx_metadata
 from .ticket import Ticket, TicketTransport
 
@@ -134,18 +134,7 @@ class Inbound(abc.ABC):
         exp = Expectation(stats, wait, progress, cancel, finish)
         exp.set_tickets({"": ticket})
         self.stats.expected += 1
-
-        def done(d: Delivery) -> None:
-            try:
-                out = d.outcome()
-            except BaseException:  # cancelled, or not a kvbridge error
-                out = None
-            if isinstance(out, DeliveryStats):
-                self.stats.bytes += out.bytes
-            else:
-                self.stats.failed += 1
-
-        exp.add_done_callback(done)
+        count_outcome(exp, self.stats)
         return exp
 
 
