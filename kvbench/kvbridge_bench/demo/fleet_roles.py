@@ -32,6 +32,8 @@ from .config import DemoConfig
 from .lifecycle import die_with_parent, exit_on_signal
 from .roles import MainDecode, Prefill, RelayDecode, _Role
 
+VIEW_CATCH_UP_S = 5.0  # a joined engine reaches every watcher's view within this
+
 log = logging.getLogger("kvbridge_bench.demo")
 
 __all__ = ["FleetMain", "FleetPrefill", "FleetRelay", "main"]
@@ -212,7 +214,13 @@ class FleetPrefill(_Member, Prefill):
 
     async def md_sender(self, name: str) -> TcpSender:
         """Main decode ``name`` by engine id: resolved through the view and
-        connected on demand (again after it restarted)."""
+        connected on demand (again after it restarted).  The driver's view may
+        name an engine that just joined before this role's view has it: wait
+        for it to catch up, at most ``VIEW_CATCH_UP_S``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + VIEW_CATCH_UP_S
+        while self.view.get(name) is None and loop.time() < end:
+            await asyncio.sleep(0.05)
         await self.bridge.reach(name)
         md = self.bridge.tcp_sender(name)
         if self.listening.get(name) is not md:
