@@ -214,7 +214,7 @@ def test_goodput_and_cheapest_fleet_searches() -> None:
         def __init__(self, ok: float) -> None:
             self.ok = ok
 
-        def within(self, sla: float) -> float:
+        def within(self, sla: float, tpot: float) -> float:
             return self.ok
 
     g, tried = goodput(lambda rate: R(1.0 if rate <= 7.3 else 0.5), 1.0, 0.9, 1.0, 16.0, 8)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvbridge.handoff.policy import HandoffPolicy
-from kvbridge.layout import KVLayout
+from kvbridge.layout import DType, KVLayout
 from kvbridge.pdd import PddConfig, RelayBudget
 from kvbridge.router import RouterConfig
 
@@ -74,10 +74,10 @@ def paper_mix(p: Params, **changes: Any) -> HitMix:
         prompt_tokens=int(p["workload.prompt_tokens"]),
         output_tokens=int(p["workload.output_tokens"]),
         high_share=float(p["workload.high_hit_share"]),
-        high=tuple(p["workload.high_hit"]),  # type: ignore[arg-type]
-        low=tuple(p["workload.low_hit"]),  # type: ignore[arg-type]
+        high=tuple(p["workload.high_hit"]),
+        low=tuple(p["workload.low_hit"]),
         anomalous_share=float(p["workload.anomalous_share"]),
-        anomalous_output=tuple(p["workload.anomalous_output"]),  # type: ignore[arg-type]
+        anomalous_output=tuple(p["workload.anomalous_output"]),
         turns=float(p["workload.turns"]),
         think_s=float(p["workload.think_s"]),
     )
@@ -90,7 +90,7 @@ def _layout(m: ModelShape, page: int) -> KVLayout:
         num_kv_heads=m.kv_heads,
         head_dim=m.head_dim,
         page_tokens=page,
-        dtype="bf16",
+        dtype=DType.BF16,
     )
 
 
@@ -205,9 +205,15 @@ class FleetResult:
         t = self.ttfts()
         return sum(t) / len(t) if t else math.nan
 
-    def within(self, sla_s: float) -> float:
-        t = self.ttfts()
-        return sum(1 for x in t if x <= sla_s) / max(1, len(t))
+    def within(self, sla_s: float, tpot_s: float = math.inf) -> float:
+        """The share of the measured requests whose first token came within
+        ``sla_s`` and whose later tokens came ``tpot_s`` apart on average."""
+        rs = self.measured
+        ok = sum(1 for r in rs if r.ttft <= sla_s and _tpot(r) <= tpot_s)
+        return ok / max(1, len(rs))
+
+    def tpot(self, pct: float) -> float:
+        return percentile([_tpot(r) for r in self.measured], pct)
 
     def relay_share(self) -> float:
         rs = [r for r in self.measured if math.isfinite(r.t_done)]
@@ -224,6 +230,12 @@ class FleetResult:
     def wan_utilisation(self, spec: FleetSpec) -> float:
         o = self.outcome
         return o.wan_bytes / max(1e-9, spec.wan_rate * max(o.wall_s, 1e-9))
+
+
+def _tpot(r: SimRequest) -> float:
+    if not math.isfinite(r.t_done) or not math.isfinite(r.t_first):
+        return math.inf
+    return (r.t_done - r.t_first) / max(1, r.output_tokens - 1)
 
 
 def run_fleet(
@@ -260,13 +272,15 @@ def goodput(
     lo: float,
     hi: float,
     steps: int = 6,
+    tpot_s: float = math.inf,
 ) -> tuple[float, list[tuple[float, float]]]:
     """The highest rate in [lo, hi] at which ``quantile`` of the requests
-    meet the TTFT SLA (bisection over ``run(rate)``), and the points tried."""
+    meet the SLA (TTFT and time per output token; bisection over
+    ``run(rate)``), and the points tried."""
     tried: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
-        w = run(rate).within(sla_s)
+        w = run(rate).within(sla_s, tpot_s)
         tried.append((rate, w))
         return w >= quantile
 

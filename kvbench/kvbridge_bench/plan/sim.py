@@ -35,6 +35,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -744,9 +745,8 @@ class Simulation:
         if self.fleet is not None:
             hashes = r.hashes_at(self.spec.md_page_tokens)
             # the router reads the prompt's length only (the hashes are given)
-            zeros = np.broadcast_to(np.int32(0), (r.n,))
             fr = self.fleet.route(
-                str(r.rid), zeros, r.output_tokens, session=r.session, hashes=hashes
+                str(r.rid), range(r.n), r.output_tokens, session=r.session, hashes=hashes
             )
             r.prefill, r.main, r.relay = fr.prefill, fr.main, fr.relay
         else:
@@ -901,7 +901,7 @@ class Simulation:
                 self.loop.after(self.wan.half, self._to_relay, r, c.message)
             elif isinstance(c, MainExtend):
                 ctx = r.n + c.start
-                eng.extend(len(c.tokens), ctx, lambda c=c: self._main_extended(r, len(c.tokens)))
+                eng.extend(len(c.tokens), ctx, partial(self._main_extended, r, len(c.tokens)))
             elif isinstance(c, MainRun):
                 if c.run:
                     side = core.main(r.rid)
