@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 import ssl as _ssl
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,8 @@ from ..transport.tcp.kvio import KVSink
 from .handles import Delivery, DeliveryStats, count_outcome
 from .identity import wrap_ucx_metadata
 from .ticket import Ticket, TicketTransport
+
+_TOKENS_LOW, _TOKENS_BATCH = 64, 256  # tokens kept ready for prepare(), refilled on the loop
 
 __all__ = ["Expectation", "Inbound", "InboundStats", "Prepared", "TcpInbound", "UcxInbound"]
 
@@ -184,6 +188,7 @@ class TcpInbound(Inbound):
         keepalive_timeout: float = 20.0,
     ) -> None:
         super().__init__(cache, identity, model_id)
+        self._tokens: deque[bytes] = deque()  # fresh transfer tokens, drawn on the loop
         self.receiver = TcpReceiver(
             listen[0],
             listen[1],
@@ -201,6 +206,7 @@ class TcpInbound(Inbound):
 
     async def start(self) -> None:
         await self.receiver.start()
+        self._refill()
 
     async def close(self) -> None:
         await self.receiver.close()
@@ -210,13 +216,25 @@ class TcpInbound(Inbound):
         return (self.receiver.host, self.receiver.port)
 
     def prepare(self, rid: str, span: KVSpan) -> Prepared:
-        span.check(self.cache)
-        token = new_token()
+        span.check_pages(self.cache)
+        try:  # drawn on the loop beforehand: no system call in the caller's thread
+            token = self._tokens.popleft()
+        except IndexError:
+            token = new_token()
         return Prepared(span, self._ticket(rid, span, token=token), token)
+
+    def _refill(self) -> None:
+        """(On the loop) keep fresh random tokens ready for :meth:`prepare`,
+        which may run in an engine's thread: ``os.urandom`` there would
+        release the GIL and hand the thread's time to whoever waits for it."""
+        if len(self._tokens) < _TOKENS_LOW:
+            raw = os.urandom(16 * _TOKENS_BATCH)
+            self._tokens.extend(raw[i : i + 16] for i in range(0, len(raw), 16))
 
     def expect(
         self, rid: str, span: KVSpan, timeout: float | None, prepared: Prepared | None = None
     ) -> Expectation:
+        self._refill()
         sink = KVSink(self.cache, span)
         token = prepared.token if prepared is not None else None
         h = self.receiver.expect(rid, sink, timeout=timeout, token=token)
@@ -299,7 +317,7 @@ class UcxInbound(Inbound):
         return wrap_ucx_metadata(self.description, bytes(self.agent.metadata()))
 
     def prepare(self, rid: str, span: KVSpan) -> Prepared:
-        span.check(self.cache)
+        span.check_pages(self.cache)
         return Prepared(span, self._ucx_ticket(rid, span))
 
     def _ucx_ticket(self, rid: str, span: KVSpan) -> bytes:

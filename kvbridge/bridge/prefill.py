@@ -355,7 +355,7 @@ class PrefillBridge:
         tickets: Mapping[str, bytes | Ticket],
         *,
         reach_later: bool = False,
-    ) -> None:
+    ) -> tuple[Any, dict[str, Ticket]]:
         """The checks :meth:`send` makes before anything moves, alone: every
         ticket decoded and checked against this bridge and its destination,
         each destination's span against the cache
@@ -365,11 +365,14 @@ class PrefillBridge:
         ``reach_later``: a destination not connected yet is one
         :meth:`reach` will connect; its ticket is checked but for the
         destination's own rules, which :meth:`send` checks.  Whether the
-        request is being sent already is not checked here."""
+        request is being sent already is not checked here.  Returns what
+        :meth:`send` may be given instead: the block table (the span given,
+        or a private read-only copy of the table) and the decoded tickets."""
         rid = str(request_id)
         dests = self._dests
         bound = block_table if isinstance(block_table, KVSpan) else None
         table = bound if bound is not None else KVSpan(block_table, 0, 0)
+        out: dict[str, Ticket] = {}
         for name, raw in tickets.items():
             t = self._ticket(name, raw, known=not reach_later or name in dests)
             if t.request_id != rid:
@@ -377,6 +380,8 @@ class PrefillBridge:
                     f"{name}: ticket is for request {t.request_id!r}, not {rid!r}"
                 )
             self._span(name, table, bound, t).check(self.cache)
+            out[name] = t
+        return (bound if bound is not None else table.block_table), out
 
     def _span(self, name: str, table: KVSpan, bound: KVSpan | None, t: Ticket) -> KVSpan:
         """What we send for ticket ``t``: our pages, the ticket's tokens and

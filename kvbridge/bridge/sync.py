@@ -38,7 +38,6 @@ from ..errors import (
     Unavailable,
 )
 from ..pack import PagedKVCache
-from ..span import KVSpan
 from ..transport.tcp.receiver import ReceiverLimits
 from ..wire.frames import CONTROL_FIRST
 from .decode import DecodeBridge, Expectation, PreparedExpect
@@ -598,7 +597,6 @@ class SyncBridge:
         that also bounds what the tickets may ask for."""
         lt = self._running("send()")
         rid = str(request_id)
-        bt = _pages(block_table)
         _seconds(timeout, "timeout")
         _seconds(layer_timeout, "layer_timeout")
         if lease is not None:
@@ -609,7 +607,9 @@ class SyncBridge:
         pre = self._prefill
         assert pre is not None
         rp = pre.resolved
-        pre.check_send(rid, bt, tk, reach_later=rp is not None)
+        # (the table copied once, the tickets decoded once: the loop gets both)
+        bt, decoded = pre.check_send(rid, block_table, tk, reach_later=rp is not None)
+        tk = dict[str, bytes | Ticket](decoded)
         st = _Send(rid, list(tk), bool(layerwise))
         with self._lock:
             self._check_running("send()")
@@ -874,14 +874,6 @@ def _from_destination(
         dispatch(name, t, payload)
 
     return handler
-
-
-def _pages(block_table: Any) -> Any:
-    """An engine's span as it is, or a private, read-only int32 copy of its
-    block table (list, array or tensor), checked in the engine's thread."""
-    if isinstance(block_table, KVSpan):
-        return block_table
-    return KVSpan(block_table, 0, 0).block_table
 
 
 def _seconds(value: float, what: str) -> float:

@@ -30,9 +30,10 @@ import numpy as np
 from kvbridge import KVLayout, PagedKVCache
 from kvbridge.bridge import PeerConfig
 from kvbridge.bridge.sync import SyncBridge
+from kvbridge.layout import DType
 
 # SmolLM2-135M's KV: 30 layers, 3 KV heads of 64, bf16, 16-token pages
-SMOL = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="bf16", page_tokens=16)
+SMOL = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype=DType.BF16, page_tokens=16)
 MODEL = "SmolLM2-135M-Instruct"
 _BUF = np.random.default_rng(0).integers(0, 255, 4 << 20, dtype=np.uint8).tobytes()
 
@@ -94,7 +95,7 @@ class Step:
 
 
 def _cache(pages: int, fill: bool) -> PagedKVCache:
-    return PagedKVCache.allocate(SMOL, pages, fill="random" if fill else "zeros", seed=3)
+    return PagedKVCache.allocate(SMOL, pages, fill="random" if fill else None, seed=3)
 
 
 def _setup_env(env: dict[str, str]) -> None:
@@ -209,7 +210,7 @@ def drive_goodput(
                     got = got_ticket()
                     if got is not None:
                         ticket = got[1]
-                        pre.send(rid, np.arange(n_pages), ticket, False)
+                        pre.send(got[0], np.arange(n_pages), ticket, False)
 
             step.run(None, between)
         secs, ok = pre.done.get(rid, (float("nan"), False))
@@ -295,9 +296,9 @@ def inproc_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def decode_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
+def decode_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
     """The decode process: its bridge, and an engine thread that steps,
-    expecting what the prefill asks for (through ``conn``)."""
+    expecting what the prefill asks for (through ``peer_conn``)."""
     _setup_env(env)
     try:
         via = cfg["via"]
@@ -305,10 +306,10 @@ def decode_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
         md = _cache(pages, False)
         if via == "tcp":
             b = SyncBridge(md, identity="d", model_id=MODEL, tcp_listen=("127.0.0.1", 0)).start()
-            conn.send(("peer", ("tcp", b.tcp_port)))
+            peer_conn.send(("peer", ("tcp", b.tcp_port)))
         else:
             b = SyncBridge(md, identity="d", model_id=MODEL, ucx=True).start()
-            conn.send(("peer", ("ucx", b.ucx_metadata())))
+            peer_conn.send(("peer", ("ucx", b.ucx_metadata())))
         timer = Timer()
         dec = Decode(b, via, timer, pages)
         step = Step(cfg["load"] if cfg["load_on"] in ("both", "decode") else "sleep",
@@ -320,13 +321,13 @@ def decode_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
                 def between() -> None:
                     nonlocal stop
                     dec.poll()
-                    while conn.poll():
-                        msg = conn.recv()
+                    while peer_conn.poll():
+                        msg = peer_conn.recv()
                         if msg[0] == "stop":
                             stop = True
                             return
                         _, rid, tokens, i = msg
-                        conn.send(("ticket", rid, dec.expect(rid, tokens, i)))
+                        peer_conn.send(("ticket", rid, dec.expect(rid, tokens, i)))
 
                 step.run(None, between)
         finally:
@@ -334,6 +335,7 @@ def decode_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
         conn.send(("result", {"calls": timer.ns}))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
+        peer_conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 def prefill_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
@@ -345,7 +347,7 @@ def prefill_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, 
         via = cfg["via"]
         pages = SMOL.pages_for(cfg["tokens"]) + 8
         src = _cache(pages, True)
-        kind, where = peer_conn.recv()[1]
+        _kind, where = peer_conn.recv()[1]
         if via == "tcp":
             b = SyncBridge(src, identity="p", model_id=MODEL).start()
             b.connect("d", PeerConfig("tcp", "127.0.0.1", where))
@@ -400,7 +402,7 @@ def _descs(base: int, pages: int) -> np.ndarray:
     vLLM lays it out per layer ([2, pages, 16, 3, 64] bf16): vLLM's NIXL
     connector registers and posts these."""
     blk = SMOL.page_tokens * SMOL.num_kv_heads * SMOL.head_dim * 2
-    rows = []
+    rows: list[tuple[int, int, int]] = []
     for layer in range(SMOL.num_layers):
         for kv in range(2):
             off = ((layer * 2 + kv) * pages) * blk
@@ -408,24 +410,26 @@ def _descs(base: int, pages: int) -> np.ndarray:
     return np.array(rows, dtype=np.uint64)
 
 
-def nixl_target_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
+def nixl_target_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
     _setup_env(env)
     try:
         agent = _nixl_agent("target")
         pages = cfg["pages"]
-        buf = np.zeros(SMOL.page_bytes * pages, dtype=np.uint8)
+        buf = np.zeros(SMOL.bytes_per_page * pages, dtype=np.uint8)
         agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
-        conn.send(("info", (agent.get_agent_metadata(), buf.ctypes.data)))
+        peer_conn.send(("info", (agent.get_agent_metadata(), buf.ctypes.data)))
         while True:
             agent.get_new_notifs()
-            if conn.poll(0.001) and conn.recv()[0] == "stop":
+            if peer_conn.poll(0.001) and peer_conn.recv()[0] == "stop":
                 break
         conn.send(("result", {}))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-def nixl_initiator_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
+def nixl_initiator_main(
+    conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, Any]
+) -> None:
     """The engine thread posts one request per step (``make_prepped_xfer`` of
     its pages' descriptors in every layer + ``transfer``, timed together)
     and checks it each step (``check_xfer_state``, timed) until DONE."""
@@ -433,7 +437,7 @@ def nixl_initiator_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dic
     try:
         agent = _nixl_agent("initiator")
         pages = cfg["pages"]
-        buf = np.ones(SMOL.page_bytes * pages, dtype=np.uint8)
+        buf = np.ones(SMOL.bytes_per_page * pages, dtype=np.uint8)
         agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
         md, remote_base = peer_conn.recv()[1]
         other = agent.add_remote_agent(md)
