@@ -54,13 +54,14 @@ def demo_spec(p: Params) -> FleetSpec:
     cfg = demo_config(p)
     dec = _decoder(p)
     layout = dec.kv_layout(dtype=cfg.kv_dtype, page_tokens=cfg.p_page_tokens)
+    k = float(p.get("engine.speed_ratio", 1.0))
     t = MeasuredTiming(
-        p["engine.prefill_a_s"],
-        p["engine.prefill_b_s"],
-        p["engine.prefill_c_s"],
-        p["engine.decode_d0_s"],
-        p["engine.decode_d1_s"],
-        p["engine.decode_d2_s"],
+        p["engine.prefill_a_s"] * k,
+        p["engine.prefill_b_s"] * k,
+        p["engine.prefill_c_s"] * k,
+        p["engine.decode_d0_s"] * k,
+        p["engine.decode_d1_s"] * k,
+        p["engine.decode_d2_s"] * k,
     )
     rate = cfg.wan_rate_bps / 8
     ratio = float(p["wan.wire_ratio"])

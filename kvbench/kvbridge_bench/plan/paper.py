@@ -26,6 +26,7 @@ __all__ = [
     "Fleet",
     "FleetResult",
     "bathtub",
+    "capacity",
     "cheapest_fleet",
     "goodput",
     "paper_mix",
@@ -332,6 +333,26 @@ def cheapest_fleet(
     return best, tried
 
 
+def capacity(p: Params, fleet: Fleet, hit: float) -> float:
+    """Requests per second at which ``fleet``'s slowest resource saturates
+    when every request hits ``hit`` (see :func:`bathtub`)."""
+    spec = paper_spec(p, fleet)
+    L = int(p["workload.prompt_tokens"])
+    out = int(p["workload.output_tokens"])
+    miss = max(1, L - int(hit * L))
+    done, pre = L - miss, 0.0
+    while done < L:
+        n = min(spec.chunk_tokens, L - done)
+        pre += spec.p_timing.prefill_s([(n, done)])
+        done += n
+    batch = max(1, min(spec.max_batch, spec.md_max_tokens // (L + out)))
+    step = spec.md_timing.decode_s(batch, batch * (L + out // 2))
+    rates = [fleet.prefills / pre, fleet.mains * batch / (step * out)]
+    if not fleet.same_dc:
+        rates.append(spec.wan_rate * spec.wan_efficiency / (miss * spec.layout.bytes_per_token))
+    return min(rates)
+
+
 def bathtub(
     p: Params, hits: Sequence[float], fleet: Fleet, homog: Fleet
 ) -> list[tuple[float, float, float, float]]:
@@ -342,42 +363,9 @@ def bathtub(
     (its tail chunk alone in its pass: the case the paper's dips come from),
     a decode engine runs the batch its memory holds, the line carries the
     missing KV; the fleet's rate is that of its slowest resource."""
-    spec = paper_spec(p, fleet)
-    hspec = paper_spec(p, homog)
-    L = int(p["workload.prompt_tokens"])
-    out = int(p["workload.output_tokens"])
-    chunk = spec.chunk_tokens
-    bpt = spec.layout.bytes_per_token
     rows = []
     for h in hits:
-        miss = max(1, L - int(h * L))
-
-        def prefill_s(t: RooflineTiming, miss: int = miss, h: float = h) -> float:
-            done, secs = L - miss, 0.0
-            while done < L:
-                n = min(chunk, L - done)
-                secs += t.prefill_s([(n, done)])
-                done += n
-            return secs
-
-        def decode_rate(t: RooflineTiming, cap: int) -> float:
-            batch = max(1, min(spec.max_batch, cap // (L + out)))
-            step = t.decode_s(batch, batch * (L + out // 2))
-            return batch / (step * out)
-
-        pt = prefill_s(spec.p_timing)  # type: ignore[arg-type]
-        cap_d = spec.md_max_tokens
-        wan = spec.wan_rate * spec.wan_efficiency / max(1, miss * bpt)
-        pdd_rate = min(
-            fleet.prefills / pt,
-            fleet.mains * decode_rate(spec.md_timing, cap_d),  # type: ignore[arg-type]
-            wan,
-        )
-        h_rate = min(
-            homog.prefills / prefill_s(hspec.p_timing),  # type: ignore[arg-type]
-            homog.mains * decode_rate(hspec.md_timing, hspec.md_max_tokens),  # type: ignore[arg-type]
-        )
-        a = pdd_rate / fleet.cost(p)
-        b = h_rate / homog.cost(p)
+        a = capacity(p, fleet, h) / fleet.cost(p)
+        b = capacity(p, homog, h) / homog.cost(p)
         rows.append((h, a, b, a / b - 1))
     return rows

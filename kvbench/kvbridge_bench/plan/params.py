@@ -17,7 +17,7 @@ from typing import Any
 
 from kvbridge.errors import InvalidArgument
 
-__all__ = ["Params", "load_params"]
+__all__ = ["Params", "load_params", "override"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,22 @@ def _walk(prefix: str, table: dict[str, Any], values: dict[str, Any], sources: d
             sources[key] = v["source"]
         else:
             _walk(f"{key}.", v, values, sources, path)
+
+
+def override(p: Params, assignments: list[str]) -> Params:
+    """``p`` with ``KEY=VALUE`` assignments (TOML values) applied; the
+    source of each becomes "set on the command line"."""
+    values, sources = dict(p.values), dict(p.sources)
+    for a in assignments:
+        key, sep, text = a.partition("=")
+        if not sep or key not in values:
+            raise InvalidArgument(f"--set {a!r}: want KEY=VALUE with a KEY of {p.path}")
+        try:
+            values[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = text
+        sources[key] = "set on the command line"
+    return Params(p.name, values, sources, p.path)
 
 
 def load_params(name_or_path: str | Path) -> Params:
