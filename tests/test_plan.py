@@ -231,3 +231,11 @@ def test_cli_validate_json(capfd) -> None:
     assert bench_main(["plan", "--validate", "--json"]) == 0
     doc = json.loads(capfd.readouterr().out)
     assert {r["pipeline"] for r in doc["rows"]} == {"baseline", "same_dc", "radix", "pdd"}
+
+
+def test_a_fleet_without_relays_serves_every_request_on_its_main_decodes() -> None:
+    p = load_params("paper")
+    mix = HitMix(prompt_tokens=8192, output_tokens=32, turns=3, think_s=1.0)
+    res = run_fleet(p, Fleet(2, 0, 2), "pdd", 2.0, 30.0, mix=mix, warmup_frac=0.0)
+    rs = res.outcome.requests
+    assert rs and all(r.pipeline == "P-MD" and math.isfinite(r.t_done) for r in rs)

@@ -330,7 +330,14 @@ def _paper(args: argparse.Namespace) -> int:
 def write_plots(
     out: Path, cdf: dict[str, list[float]], tub: list[Any], sla_s: float | None = None
 ) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        from kvbridge.errors import Unavailable
+
+        raise Unavailable(
+            "the plots need matplotlib: pip install 'kvbridge-bench[plot]' (make build does)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -799,6 +799,8 @@ class Simulation:
         r.p_hit = use
         r.computed = r.n - use
         fixed = None if self.pipeline == "pdd" else Pipeline.P_MD
+        if not self.relays:  # no relay in the fleet: the main decode serves it alone
+            fixed = Pipeline.P_MD
         core = self.p_cores[p]
         (rt,) = core.handle(Arrive(r.rid, r.n, matched, r.output_tokens, now, r.computed, fixed))
         assert isinstance(rt, Route)
