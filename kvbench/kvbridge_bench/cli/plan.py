@@ -402,13 +402,16 @@ def _planner(args: argparse.Namespace) -> int:
         duration = max(arrivals) - min(arrivals) if arrivals else 0.0
         rate = len(requests) / max(duration, 1e-9)
     else:
-        duration = args.duration or (300.0 if args.quick else 900.0)
+        duration = args.duration or (600.0 if args.quick else 1800.0)
         rate = args.rate or 5.0
     mix = paper_mix(p) if args.high_share is None else paper_mix(p, high_share=args.high_share)
     t0 = time.perf_counter()
 
     def go(f: Fleet, pipeline: str = "pdd") -> Any:
-        return run_fleet(p, f, pipeline, rate, duration, mix=mix, requests=requests, seed=args.seed)
+        return run_fleet(
+            p, f, pipeline, rate, duration, mix=mix, requests=requests, seed=args.seed,
+            warmup_frac=0.4,
+        )  # fmt: skip
 
     def meets(f: Fleet) -> bool:
         return bool(go(f).within(sla, tpot) >= qt)
