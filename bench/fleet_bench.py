@@ -10,6 +10,7 @@
 2. Churn: an engine joins or leaves every second for ``--churn-s`` seconds
    while requests are routed (200 per second, each in flight 0.5 s); a
    request is lost when it finishes naming an engine no longer in the view.
+   Routing stops when the churn does, before the simulated engines close.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ async def registrar(port: int, churn_s: float, wait_s: float) -> None:
             await join(f"{role.value[0]}j{k}", role)
             print("join", flush=True)
         await asyncio.sleep(1)
+    print("done", flush=True)
+    await asyncio.sleep(2)  # the router finishes the requests in flight
     await asyncio.gather(*(r.close() for r in regs.values()))
 
 
@@ -136,10 +139,31 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
     print(f"load average during the run: {os.getloadavg()[0]:.2f}")
 
     # --- churn (the registrar joins or leaves one engine per second) ----------
+    # Requests are routed until the registrar says its churn is over; those
+    # in flight then finish at their time, before it closes the rest of its
+    # registrations (the whole fleet leaving at once is no part of the churn).
     loop = asyncio.get_running_loop()
     n = lost = refused = 0
     live: list[tuple[float, str]] = []
-    while child.returncode is None:
+    events: list[str] = []
+
+    async def read_events() -> None:
+        assert child.stdout is not None
+        async for line in child.stdout:
+            events.append(line.decode().strip())
+
+    reader = asyncio.create_task(read_events())
+
+    def finish_due(now: float) -> None:
+        nonlocal lost
+        while live and (live[0][0] <= now):
+            _, rid = live.pop(0)
+            r = fr._inflight[rid]
+            if any(e is not None and view.get(e) is None for e in (r.prefill, r.main, r.relay)):
+                lost += 1
+            fr.finish(rid)
+
+    while "done" not in events and child.returncode is None:
         now = loop.time()
         for _ in range(2):
             rid = f"c{n}"
@@ -150,20 +174,17 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
                 refused += 1  # no engine of a role in the view: refused at once, typed
                 continue
             live.append((now + 0.5, rid))
-        while live and (live[0][0] <= now):
-            _, rid = live.pop(0)
-            r = fr._inflight[rid]
-            if any(e is not None and view.get(e) is None for e in (r.prefill, r.main, r.relay)):
-                lost += 1
-            fr.finish(rid)
-        try:
-            await asyncio.wait_for(child.wait(), 0.01)
-        except TimeoutError:
-            pass
-    out = (await child.stdout.read()).decode().split() if child.stdout else []
+        finish_due(now)
+        await asyncio.sleep(0.01)
+    churn_reroutes = len(reroutes)
+    while live:
+        finish_due(loop.time())
+        await asyncio.sleep(0.01)
+    await child.wait()
+    await reader
     print(
-        f"churn {args.churn_s:.0f} s: {out.count('join')} joins, {out.count('leave')} leaves,"
-        f" {n} requests, {len(reroutes)} re-routed, {refused} refused, {lost} lost"
+        f"churn {args.churn_s:.0f} s: {events.count('join')} joins, {events.count('leave')} leaves,"
+        f" {n} requests, {churn_reroutes} re-routed, {refused} refused, {lost} lost"
     )
     await watcher.close()
     if lost:
