@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <stdexcept>
@@ -28,13 +29,16 @@ uint64_t random_seed() {
   return (uint64_t(rd()) << 32) ^ rd();
 }
 
-uint64_t* zeroed_words(size_t n) {
-  void* p = std::calloc(n, sizeof(uint64_t));
-  if (p == nullptr) throw std::bad_alloc();
-  return static_cast<uint64_t*>(p);
-}
+uint64_t* zeroed_words(size_t n) { return static_cast<uint64_t*>(zeroed(n * sizeof(uint64_t))); }
 
 }  // namespace
+
+void* zeroed(size_t bytes) {
+  void* p = std::malloc(bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, bytes);  // every page faulted in now
+  return p;
+}
 
 // ---- KeyMap -------------------------------------------------------------------------
 
@@ -127,8 +131,9 @@ void FleetCore::ensure_width(size_t slots) {
   if (need <= width_) return;
   size_t w = std::max(need, width_ * 2);
   for (uint64_t*& chunk : bit_chunks_) {
-    uint64_t* wide = zeroed_words(size_t(kChunk) * w);
-    for (size_t r = 0; r < kChunk; ++r) std::copy_n(&chunk[r * width_], width_, &wide[r * w]);
+    constexpr size_t rows = size_t(1) << kRowShift;
+    uint64_t* wide = zeroed_words(rows * w);
+    for (size_t r = 0; r < rows; ++r) std::copy_n(&chunk[r * width_], width_, &wide[r * w]);
     std::free(chunk);
     chunk = wide;
   }
@@ -307,8 +312,8 @@ uint32_t FleetCore::rank(uint32_t row, int slot) {
 
 uint32_t FleetCore::new_row(const Key& k) {
   uint32_t r = rows_.alloc();
-  if ((r >> kChunkShift) == bit_chunks_.size())
-    bit_chunks_.push_back(zeroed_words(size_t(kChunk) * width_));
+  if ((r >> kRowShift) == bit_chunks_.size())
+    bit_chunks_.push_back(zeroed_words((size_t(1) << kRowShift) * width_));
   Row& row = rows_[r];
   row.key = k;
   row.n = 0;
@@ -527,10 +532,16 @@ void FleetCore::choose(int kept, int64_t page_tokens, int out[4]) {
   scratch2_.resize(width_);
   scratch3_.resize(width_);
   nlevels_ = 0;
-  bool open = true;
+  // the lookups' cache misses overlap: every slot fetched, then every row
+  for (size_t i = 0; i < n; ++i) index_.prefetch(keys_[i]);
   for (size_t i = 0; i < n; ++i) {
     uint32_t r = key_rows_[i] = index_.find(keys_[i]);
-    if (!open) continue;
+    if (r != kNil) __builtin_prefetch(bits(r));
+  }
+  bool open = true;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t r = key_rows_[i];
+    if (!open) break;
     if (r == kNil) {
       open = false;
       continue;
@@ -559,7 +570,34 @@ void FleetCore::hold(int slot, int held) {
   // (a page it holds past a gap keeps its place)
   int n = int(keys_.size());
   held = std::min(std::max(held, 0), n);
-  for (int i = 0; i < held; ++i) touch(slot, key_rows_[i]);
+  // its nodes for those pages, their rows, nodes and neighbours fetched ahead
+  // of the moves so that the cache misses overlap
+  for (int i = 0; i < held; ++i) __builtin_prefetch(&rows_[key_rows_[i]]);
+  held_nodes_.resize(size_t(held));
+  for (int i = 0; i < held; ++i) {
+    uint32_t r = key_rows_[i];
+    uint32_t at = rank(r, slot);
+    Row& row = rows_[r];
+    if (at >= 2) __builtin_prefetch(&row.more[at - 2]);
+    held_nodes_[i] = at;
+  }
+  for (int i = 0; i < held; ++i) {
+    uint32_t node = holder(rows_[key_rows_[i]], held_nodes_[i]);
+    held_nodes_[i] = node;
+    __builtin_prefetch(&nodes_[node]);
+  }
+  for (int i = 0; i < held; ++i) {
+    const Node& nd = nodes_[held_nodes_[i]];
+    if (nd.prev != kNil) __builtin_prefetch(&nodes_[nd.prev]);
+    if (nd.next != kNil) __builtin_prefetch(&nodes_[nd.next]);
+  }
+  Engine& e = engines_[slot];
+  for (int i = 0; i < held; ++i) {
+    uint32_t node = held_nodes_[i];
+    if (node == e.tail) continue;
+    unlink(e, node);
+    link_back(e, node);
+  }
   for (int i = held; i < n; ++i) {
     uint32_t& r = key_rows_[i];
     if (r == kNil) {  // new to the index (unless the request repeats a page)

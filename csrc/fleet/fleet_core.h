@@ -35,6 +35,7 @@ class KeyMap {
   KeyMap(uint64_t seed, size_t capacity);
   size_t size() const { return size_; }
   uint32_t find(const Key& k) const;  // kNil: absent
+  void prefetch(const Key& k) const { __builtin_prefetch(&slots_[ideal(k)]); }
   void insert(const Key& k, uint32_t v);  // k must be absent
   void erase(const Key& k);
 
@@ -51,33 +52,33 @@ class KeyMap {
   uint64_t seed_;
 };
 
-// A growable array of zero-initialised plain values in fixed chunks (elements
-// never move; a chunk's pages are zeroed by the kernel as they are first
-// touched, not all at once), with a free list.
-constexpr uint32_t kChunkShift = 15, kChunk = 1u << kChunkShift, kChunkMask = kChunk - 1;
+// Zeroed memory, written once when allocated: the index grows in a few big
+// steps (the kernel's page faults paid together, a few times per million
+// pages) instead of a little in many decisions.
+void* zeroed(size_t bytes);
 
-template <class T>
+// A growable array of zero-initialised plain values in fixed chunks of
+// 2^Shift elements (elements never move), with a free list.
+template <class T, uint32_t Shift>
 class Pool {
  public:
+  static constexpr uint32_t kMask = (1u << Shift) - 1;
   Pool() = default;
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
   ~Pool() {
     for (T* c : chunks_) std::free(c);
   }
-  T& operator[](uint32_t i) { return chunks_[i >> kChunkShift][i & kChunkMask]; }
-  const T& operator[](uint32_t i) const { return chunks_[i >> kChunkShift][i & kChunkMask]; }
+  T& operator[](uint32_t i) { return chunks_[i >> Shift][i & kMask]; }
+  const T& operator[](uint32_t i) const { return chunks_[i >> Shift][i & kMask]; }
   uint32_t alloc() {
     if (!free_.empty()) {
       uint32_t i = free_.back();
       free_.pop_back();
       return i;
     }
-    if ((n_ >> kChunkShift) == chunks_.size()) {
-      void* c = std::calloc(kChunk, sizeof(T));
-      if (c == nullptr) throw std::bad_alloc();
-      chunks_.push_back(static_cast<T*>(c));
-    }
+    if ((n_ >> Shift) == chunks_.size())
+      chunks_.push_back(static_cast<T*>(zeroed(sizeof(T) << Shift)));
     return n_++;
   }
   void release(uint32_t i) { free_.push_back(i); }
@@ -88,6 +89,9 @@ class Pool {
   std::vector<uint32_t> free_;
   uint32_t n_ = 0;
 };
+
+constexpr uint32_t kRowShift = 15;   // 32768 rows of 40 bytes a chunk
+constexpr uint32_t kNodeShift = 17;  // 131072 nodes of 16 bytes (2 MiB) a chunk
 
 enum RoleIdx { kPrefill = 0, kRelay = 1, kMain = 2 };
 
@@ -167,7 +171,7 @@ class FleetCore {
 
   // the index
   uint64_t* bits(uint32_t row) {
-    return &bit_chunks_[row >> kChunkShift][size_t(row & kChunkMask) * width_];
+    return &bit_chunks_[row >> kRowShift][size_t(row & Pool<Row, kRowShift>::kMask) * width_];
   }
   bool holds(uint32_t row, int slot) { return bits(row)[slot / 64] >> (slot % 64) & 1; }
   uint32_t rank(uint32_t row, int slot);  // holders of row below slot
@@ -195,9 +199,9 @@ class FleetCore {
   uint64_t inc_ = 0, join_ = 0;
   size_t width_ = 1;  // 64-bit words per bit set
   KeyMap index_;
-  Pool<Row> rows_;
-  Pool<Node> nodes_;
-  std::vector<uint64_t*> bit_chunks_;  // kChunk rows of width_ words each (calloc'd)
+  Pool<Row, kRowShift> rows_;
+  Pool<Node, kNodeShift> nodes_;
+  std::vector<uint64_t*> bit_chunks_;  // 2^kRowShift rows of width_ words each
   std::vector<uint64_t> mask_[3];
   size_t count_[3] = {0, 0, 0};
   Heap heaps_[2];
@@ -206,6 +210,7 @@ class FleetCore {
   // the current decision: its pages, their rows, the holders of its leading pages
   std::vector<Key> keys_;
   std::vector<uint32_t> key_rows_;
+  std::vector<uint32_t> held_nodes_;
   std::vector<uint64_t> levels_;
   int nlevels_ = 0;
   std::vector<uint64_t> scratch_, scratch2_, scratch3_;

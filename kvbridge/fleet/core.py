@@ -159,7 +159,7 @@ class FleetRouter:
                 decision = dataclasses.replace(
                     decision, pipeline=Pipeline.P_MD, reason=Reason.NO_RELAY
                 )
-        route = FleetRoute(request_id, prefill, relay, main, matched, decision)
+        route = _route(request_id, prefill, relay, main, matched, decision)
         self._inflight[request_id] = route
         self._routed[request_id] = n
         # loads, and the pages both now hold (the ones ``choose`` read)
@@ -255,6 +255,17 @@ class FleetRouter:
             )
             out.append(Reroute(rid, stage, new))
         return out
+
+
+_ROUTE_FIELDS = tuple(f.name for f in dataclasses.fields(FleetRoute))
+
+
+def _route(*values: object) -> FleetRoute:
+    """``FleetRoute(*values)`` without the frozen dataclass's one
+    ``object.__setattr__`` call per field (one route per request)."""
+    r = object.__new__(FleetRoute)
+    r.__dict__.update(zip(_ROUTE_FIELDS, values, strict=True))
+    return r
 
 
 _ROLE_INDEX = {Role.PREFILL: 0, Role.RELAY: 1, Role.MAIN: 2}
