@@ -34,9 +34,11 @@ uint64_t* zeroed_words(size_t n) { return static_cast<uint64_t*>(zeroed(n * size
 }  // namespace
 
 void* zeroed(size_t bytes) {
-  void* p = std::malloc(bytes);
+  void* p = std::calloc(1, bytes);
   if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, bytes);  // every page faulted in now
+  // every page faulted in now (calloc's fresh pages are mapped lazily)
+  volatile char* c = static_cast<volatile char*>(p);
+  for (size_t i = 0; i < bytes; i += 4096) c[i] = 0;
   return p;
 }
 
@@ -103,6 +105,31 @@ void KeyMap::grow() {
   }
 }
 
+// ---- Slabs ---------------------------------------------------------------------------
+
+uint32_t* Slabs::alloc(uint32_t cap) {
+  int k = __builtin_ctz(cap);
+  if (!free_[k].empty()) {
+    uint32_t* p = free_[k].back();
+    free_[k].pop_back();
+    return p;
+  }
+  size_t bytes = size_t(cap) * sizeof(uint32_t);
+  if (bytes > left_) {
+    size_t size = std::max<size_t>(size_t(2) << 20, bytes);
+    void* c = zeroed(size);
+    chunks_.push_back(c);
+    cur_ = static_cast<char*>(c);
+    left_ = size;
+  }
+  uint32_t* p = reinterpret_cast<uint32_t*>(cur_);
+  cur_ += bytes;
+  left_ -= bytes;
+  return p;
+}
+
+void Slabs::release(uint32_t* p, uint32_t cap) { free_[__builtin_ctz(cap)].push_back(p); }
+
 // ---- FleetCore: membership ------------------------------------------------------------
 
 FleetCore::FleetCore(double load_factor, int64_t max_pages)
@@ -114,7 +141,6 @@ FleetCore::FleetCore(double load_factor, int64_t max_pages)
 }
 
 FleetCore::~FleetCore() {
-  for (uint32_t r = 0; r < rows_.size(); ++r) std::free(rows_[r].more);
   for (uint64_t* c : bit_chunks_) std::free(c);
 }
 
@@ -345,9 +371,12 @@ void FleetCore::append(int slot, uint32_t r) {
   uint32_t at = rank(r, slot);
   if (row.n >= 2 && row.n - 2 == row.cap) {
     uint32_t cap = row.cap ? row.cap * 2 : 4;
-    void* more = std::realloc(row.more, size_t(cap) * sizeof(uint32_t));
-    if (more == nullptr) throw std::bad_alloc();
-    row.more = static_cast<uint32_t*>(more);
+    uint32_t* more = slabs_.alloc(cap);
+    if (row.cap) {
+      std::copy_n(row.more, row.cap, more);
+      slabs_.release(row.more, row.cap);
+    }
+    row.more = more;
     row.cap = cap;
   }
   for (uint32_t j = row.n; j > at; --j) holder(row, j) = holder(row, j - 1);

@@ -90,6 +90,26 @@ class Pool {
   uint32_t n_ = 0;
 };
 
+// Arrays of 2^k uint32 (k >= 2) carved from zeroed 2 MiB chunks, reused by
+// size; no decision waits on the heap growing.
+class Slabs {
+ public:
+  Slabs() = default;
+  Slabs(const Slabs&) = delete;
+  Slabs& operator=(const Slabs&) = delete;
+  ~Slabs() {
+    for (void* c : chunks_) std::free(c);
+  }
+  uint32_t* alloc(uint32_t cap);
+  void release(uint32_t* p, uint32_t cap);
+
+ private:
+  std::vector<uint32_t*> free_[32];
+  std::vector<void*> chunks_;
+  char* cur_ = nullptr;
+  size_t left_ = 0;
+};
+
 constexpr uint32_t kRowShift = 15;   // 32768 rows of 40 bytes a chunk
 constexpr uint32_t kNodeShift = 17;  // 131072 nodes of 16 bytes (2 MiB) a chunk
 
@@ -142,7 +162,7 @@ class FleetCore {
     uint32_t n;         // holders
     uint32_t cap;       // room in `more`
     uint32_t first[2];  // the first two holders' nodes (slot order)
-    uint32_t* more;     // the others' (malloc'd)
+    uint32_t* more;     // the others' (from slabs_)
   };
   struct Node {  // one page in one engine's LRU list
     uint32_t row, prev, next;
@@ -201,6 +221,7 @@ class FleetCore {
   KeyMap index_;
   Pool<Row, kRowShift> rows_;
   Pool<Node, kNodeShift> nodes_;
+  Slabs slabs_;
   std::vector<uint64_t*> bit_chunks_;  // 2^kRowShift rows of width_ words each
   std::vector<uint64_t> mask_[3];
   size_t count_[3] = {0, 0, 0};
