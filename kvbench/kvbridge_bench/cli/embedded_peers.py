@@ -318,7 +318,7 @@ class Decode:
         self.received += len(ev.received)
 
 
-def _bridges(
+def make_pair(
     via: str, src_pages: int, dst_pages: int
 ) -> tuple[SyncBridge, SyncBridge, PagedKVCache, PagedKVCache]:
     dst = _cache(dst_pages, False)
@@ -343,7 +343,7 @@ def inproc_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
     try:
         via = cfg["via"]
         pages = SMOL.pages_for(cfg["tokens"]) + 8
-        pre_b, md_b, _, _ = _bridges(via, pages, pages)
+        pre_b, md_b, _, _ = make_pair(via, pages, pages)
         timer = Timer()
         dec = Decode(md_b, via, timer, pages)
         pre = Prefill(pre_b, "d", via, timer)
