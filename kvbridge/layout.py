@@ -402,7 +402,7 @@ class KVLayout:
             f"H={self.total_kv_heads};D={self.head_dim};dtype={self.dtype.value}"
         )
 
-    @property
+    @functools.cached_property
     def compat_hash(self) -> int:
         """Stable 64-bit hash of the wire-relevant shape (model, dtype); equal
         for two layouts iff their wire buffers are interchangeable.  Page size,

@@ -224,6 +224,19 @@ class KVSpan:
             bt = int(cache.block_tokens) if block_tokens is None else block_tokens
             blocks = int(cache.num_pages) * layout.page_tokens // bt
         span = self.resolve(layout)
+        self._check_pages(bt, blocks)
+        return span
+
+    def check_pages(self, cache: Any) -> None:
+        """Only the page part of :meth:`check`: every entry of the table that
+        holds a token of the range names a block of ``cache`` (a
+        :class:`~kvbridge.pack.PagedKVCache`), else
+        :class:`~kvbridge.errors.PageIndexError`.  For a span already
+        resolved against the cache's layout: the cheap check of a hot path."""
+        bt = int(cache.block_tokens)
+        self._check_pages(bt, int(cache.num_pages) * cache.layout.page_tokens // bt)
+
+    def _check_pages(self, bt: int, blocks: int | None) -> None:
         covered = self.pages(bt)
         if covered.size:
             lo, hi = int(covered.min()), int(covered.max())
@@ -233,7 +246,6 @@ class KVSpan:
                     f"block table names page {lo if lo < 0 else hi} for tokens "
                     f"[{self.start}, {self.end}); the cache's {bt}-token pages are {bound}"
                 )
-        return span
 
     # ---- value semantics -------------------------------------------------------------
     def _key(self) -> tuple[int, int, Pair | None, Pair | None, bytes]:

@@ -83,3 +83,30 @@ def test_verify_streams_exact_and_changed() -> None:
     bad = list(refs[1][0])
     bad[2] = (bad[2] + 1) % 2048
     assert verify_streams(cfg, [(1, reqs[1][1], reqs[1][2], bad)])[1] > 1.0
+
+
+def test_deficit_at_the_top_k_boundary_is_a_near_tie() -> None:
+    """A token one rounding step below the k-th logit (another computation of
+    the same logits kept it in the top k) is a near tie with that small gap,
+    not an impossible token; one far below the k-th logit stays far."""
+    import torch
+
+    from kvbridge.handoff.sampling import sample
+    from kvbridge_bench.demo.engines import _deficit
+
+    params = SamplingParams(temperature=0.7, top_k=4, seed=3, max_new_tokens=8)
+    logits = torch.tensor([20.0, 19.0, 18.0, 17.0, 16.875, 5.0, 4.0, 3.0], dtype=torch.bfloat16)
+    for index in range(8):
+        won = sample(logits, params, index)
+        assert _deficit(logits, params, index, won) == 0.0
+    # token 4 is just outside the top 4: the other computation had it at 17.0
+    bumped = logits.clone()
+    bumped[4] = 17.0
+    index = next(i for i in range(200) if sample(bumped, params, i) == 4)
+    d = _deficit(logits, params, index, 4)
+    assert 0.0 < d <= 0.125 / 0.7 + 1e-9  # one bf16 step at 17
+    # token 5 is 12 logits below the 4th: never a near tie
+    assert _deficit(logits, params, index, 5) > 10.0
+    # greedy: the gap to the best logit
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    assert _deficit(logits, greedy, 0, 1) == 1.0

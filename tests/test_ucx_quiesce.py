@@ -276,3 +276,34 @@ def _unacknowledged_abort_case(mode: str) -> None:
         print("unacknowledged abort case: ok")
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_part_drained_with_its_senders_failure_fails_the_unbound_receive(late: bool) -> None:
+    """A sender's DONE arrived and then its endpoint failed (it was killed):
+    when both are drained in one batch, or the DONE only in the next one
+    (``late``), the receive the DONE binds fails at once with the sender's
+    death, as a receive bound to it before does, instead of waiting for its
+    deadline on a sender that is gone (the batch's failure used to be applied
+    first, while the receive was bound to no sender)."""
+    from kvbridge.errors import PeerGone
+
+    async def body() -> None:
+        a, b, _peer, _src, _dst = await pair()
+        he = b.expect("k", np.arange(PAGES), 0, TOKENS, timeout=30.0)  # bound to no sender
+        (ex,) = b._expectations._tokens.values()
+        assert ex.peer is None
+        sender = b.peer(a.agent_id)
+        failure = (sender._ep, -25)  # ERR_CONNECTION_RESET
+        part = (ex.token, 0, 1, LAY.page_bytes_per_layer * PAGES, a.agent_id, 1, False)
+        if late:
+            b._events(([], [failure], [], []))
+            b._events(([], [], [], [part]))
+        else:
+            b._events(([], [failure], [], [part]))
+        with pytest.raises(PeerGone):
+            await asyncio.wait_for(he, 5.0)
+        await a.close()
+        await b.close()
+
+    run(body)

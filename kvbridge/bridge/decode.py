@@ -6,6 +6,7 @@ import asyncio
 import operator
 import ssl as _ssl
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidArgument, LayoutError, OverlapError, Unavailable
@@ -15,11 +16,32 @@ from ..span import as_span
 from ..transport.tcp import ReceiverLimits, TcpReceiver
 from .handles import Delivery, DeliveryStats
 from .identity import describe
-from .inbound import Expectation, Inbound, TcpInbound, UcxInbound
+from .inbound import Expectation, Inbound, Prepared, TcpInbound, UcxInbound
 from .metrics import BridgeMetrics, BridgeMetricsView
 from .prefill import _view
 
-__all__ = ["DecodeBridge", "Expectation", "plan_sources", "tp_sources"]
+__all__ = ["DecodeBridge", "Expectation", "PreparedExpect", "plan_sources", "tp_sources"]
+
+
+@dataclass(frozen=True)
+class PreparedExpect:
+    """An expectation checked and ticketed, not registered yet
+    (:meth:`DecodeBridge.prepare_expect`): one :class:`Prepared` part per
+    source (one, named "", without ``sources``)."""
+
+    request_id: str
+    via: str
+    parts: dict[str, Prepared]
+    joined: bool
+
+    @property
+    def ticket(self) -> bytes:
+        (p,) = self.parts.values()
+        return p.ticket
+
+    @property
+    def tickets(self) -> dict[str, bytes]:
+        return {name: p.ticket for name, p in self.parts.items()}
 
 
 class DecodeBridge:
@@ -207,6 +229,28 @@ class DecodeBridge:
         its error, and cancels the others.  Sources whose intersections
         overlap raise :class:`~kvbridge.errors.OverlapError`, wanted heads
         that no source holds :class:`~kvbridge.errors.LayoutError`."""
+        prep = self.prepare_expect(
+            request_id, block_table, start, end,
+            layers=layers, via=via, heads=heads, sources=sources,
+        )  # fmt: skip
+        return self.expect_prepared(prep, timeout)
+
+    def prepare_expect(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        start: int | None = None,
+        end: int | None = None,
+        *,
+        layers: tuple[int, int] | None = None,
+        via: str = "tcp",
+        heads: tuple[int, int] | None = None,
+        sources: Sequence[tuple[str, tuple[int, int]]] | None = None,
+    ) -> PreparedExpect:
+        """Everything of :meth:`expect` but the registration: the arguments
+        checked (the same typed errors), the tickets made.  It reads only
+        what does not change while the bridge runs, so any thread may call
+        it; :meth:`expect_prepared` registers the result on the loop."""
         rid = str(request_id)
         span = as_span(block_table, start, end, layers, heads, what="expect()")
         span = span.resolve(self.layout)  # LayoutError outside our layers or heads
@@ -215,18 +259,29 @@ class DecodeBridge:
             raise InvalidArgument(f"unknown transport {via!r} (use 'tcp' or 'ucx')")
         inbound = self.inbound(via)
         if sources is None:
-            exp = inbound.expect(rid, span, timeout)
+            return PreparedExpect(rid, via, {"": inbound.prepare(rid, span)}, joined=False)
+        plan = plan_sources(span.heads, sources)
+        parts = {name: inbound.prepare(rid, span.replace(heads=h)) for name, h in plan}
+        return PreparedExpect(rid, via, parts, joined=True)
+
+    def expect_prepared(self, prep: PreparedExpect, timeout: float | None = 60.0) -> Expectation:
+        """Register what :meth:`prepare_expect` made (on the loop); the
+        expectation's tickets are the prepared ones."""
+        rid = prep.request_id
+        inbound = self.inbound(prep.via)
+        if not prep.joined:
+            (p,) = prep.parts.values()
+            exp = inbound.expect(rid, p.span, timeout, p)
         else:
-            plan = plan_sources(span.heads, sources)
             parts: dict[str, Expectation] = {}
             try:
-                for name, part_heads in plan:
-                    parts[name] = inbound.expect(rid, span.replace(heads=part_heads), timeout)
+                for name, p in prep.parts.items():
+                    parts[name] = inbound.expect(rid, p.span, timeout, p)
             except BaseException:
-                for p in parts.values():
-                    p.cancel("the expectation failed to start")
+                for e in parts.values():
+                    e.cancel("the expectation failed to start")
                 raise
-            exp = _joined(rid, self.identity, via, parts)
+            exp = _joined(rid, self.identity, prep.via, parts)
         m = self.metrics
         m.started("recv")
 

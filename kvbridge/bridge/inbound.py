@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 import ssl as _ssl
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,13 +30,15 @@ from typing import Any
 from ..errors import InvalidArgument, Unavailable
 from ..layout import KVLayout
 from ..span import KVSpan
-from ..transport.tcp import ReceiverLimits, TcpReceiver
+from ..transport.tcp import ReceiverLimits, TcpReceiver, new_token
 from ..transport.tcp.kvio import KVSink
 from .handles import Delivery, DeliveryStats, count_outcome
 from .identity import wrap_ucx_metadata
 from .ticket import Ticket, TicketTransport
 
-__all__ = ["Expectation", "Inbound", "InboundStats", "TcpInbound", "UcxInbound"]
+_TOKENS_LOW, _TOKENS_BATCH = 64, 256  # tokens kept ready for prepare(), refilled on the loop
+
+__all__ = ["Expectation", "Inbound", "InboundStats", "Prepared", "TcpInbound", "UcxInbound"]
 
 
 class Expectation(Delivery):
@@ -59,6 +63,19 @@ class Expectation(Delivery):
                 f"this expectation has one ticket per source ({sorted(self.tickets)}): use .tickets"
             )
         return next(iter(self.tickets.values()))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An expectation made ready before it is registered: its ``ticket``
+    (what the sender needs) and, over TCP, the transfer ``token`` in it.
+    :meth:`Inbound.prepare` makes one in any thread from state that does not
+    change while the inbound runs; :meth:`Inbound.expect` registers it later,
+    on the loop."""
+
+    span: KVSpan
+    ticket: bytes
+    token: bytes | None = None
 
 
 @dataclass
@@ -101,9 +118,19 @@ class Inbound(abc.ABC):
         """Where senders reach this transport by address (None: by metadata only)."""
 
     @abc.abstractmethod
-    def expect(self, rid: str, span: KVSpan, timeout: float | None) -> Expectation:
+    def prepare(self, rid: str, span: KVSpan) -> Prepared:
+        """Check ``span`` (resolved) against the cache
+        (:class:`~kvbridge.errors.PageIndexError` for a page outside it) and
+        make its ticket, without registering anything: safe in any thread
+        once the inbound started."""
+
+    @abc.abstractmethod
+    def expect(
+        self, rid: str, span: KVSpan, timeout: float | None, prepared: Prepared | None = None
+    ) -> Expectation:
         """Expect ``span`` (resolved: its heads are the ones this sender
-        brings) of request ``rid``; the expectation carries its ticket."""
+        brings) of request ``rid``; the expectation carries its ticket
+        (``prepared``'s, when given: what :meth:`prepare` made for it)."""
 
     def _ticket(self, rid: str, span: KVSpan, **fields: Any) -> bytes:
         assert span.layers is not None and span.heads is not None
@@ -161,6 +188,7 @@ class TcpInbound(Inbound):
         keepalive_timeout: float = 20.0,
     ) -> None:
         super().__init__(cache, identity, model_id)
+        self._tokens: deque[bytes] = deque()  # fresh transfer tokens, drawn on the loop
         self.receiver = TcpReceiver(
             listen[0],
             listen[1],
@@ -178,6 +206,7 @@ class TcpInbound(Inbound):
 
     async def start(self) -> None:
         await self.receiver.start()
+        self._refill()
 
     async def close(self) -> None:
         await self.receiver.close()
@@ -186,15 +215,35 @@ class TcpInbound(Inbound):
     def endpoint(self) -> tuple[str, int]:
         return (self.receiver.host, self.receiver.port)
 
-    def expect(self, rid: str, span: KVSpan, timeout: float | None) -> Expectation:
+    def prepare(self, rid: str, span: KVSpan) -> Prepared:
+        span.check_pages(self.cache)
+        try:  # drawn on the loop beforehand: no system call in the caller's thread
+            token = self._tokens.popleft()
+        except IndexError:
+            token = new_token()
+        return Prepared(span, self._ticket(rid, span, token=token), token)
+
+    def _refill(self) -> None:
+        """(On the loop) keep fresh random tokens ready for :meth:`prepare`,
+        which may run in an engine's thread: ``os.urandom`` there would
+        release the GIL and hand the thread's time to whoever waits for it."""
+        if len(self._tokens) < _TOKENS_LOW:
+            raw = os.urandom(16 * _TOKENS_BATCH)
+            self._tokens.extend(raw[i : i + 16] for i in range(0, len(raw), 16))
+
+    def expect(
+        self, rid: str, span: KVSpan, timeout: float | None, prepared: Prepared | None = None
+    ) -> Expectation:
+        self._refill()
         sink = KVSink(self.cache, span)
-        h = self.receiver.expect(rid, sink, timeout=timeout)
+        token = prepared.token if prepared is not None else None
+        h = self.receiver.expect(rid, sink, timeout=timeout, token=token)
         stats = DeliveryStats(rid, self.identity, "tcp", bytes=sink.nbytes)
 
         def finish(_n: Any, st: DeliveryStats) -> None:
             st.wire_bytes = h.stats.wire_bytes  # the chunk bodies that arrived
 
-        ticket = self._ticket(rid, span, token=h.token)
+        ticket = prepared.ticket if prepared is not None else self._ticket(rid, span, token=h.token)
         return self._expectation(stats, h.wait(), lambda: h.progress, h.cancel, finish, ticket)
 
 
@@ -267,7 +316,18 @@ class UcxInbound(Inbound):
         (docs/protocol.md 8.4)."""
         return wrap_ucx_metadata(self.description, bytes(self.agent.metadata()))
 
-    def expect(self, rid: str, span: KVSpan, timeout: float | None) -> Expectation:
+    def prepare(self, rid: str, span: KVSpan) -> Prepared:
+        span.check_pages(self.cache)
+        return Prepared(span, self._ucx_ticket(rid, span))
+
+    def _ucx_ticket(self, rid: str, span: KVSpan) -> bytes:
+        return self._ticket(
+            rid, span, agent_id=self.agent.agent_id, block_table=tuple(span.block_table.tolist())
+        )
+
+    def expect(
+        self, rid: str, span: KVSpan, timeout: float | None, prepared: Prepared | None = None
+    ) -> Expectation:
         agent = self.agent
         uh = agent.expect(rid, span, timeout=timeout)
         stats = DeliveryStats(rid, self.identity, "ucx", bytes=0)
@@ -277,9 +337,7 @@ class UcxInbound(Inbound):
             st.wire_bytes = st.bytes
             st.path = "ucx-" + str(getattr(res, "path", "") or "put")
 
-        ticket = self._ticket(
-            rid, span, agent_id=agent.agent_id, block_table=tuple(span.block_table.tolist())
-        )
+        ticket = prepared.ticket if prepared is not None else self._ucx_ticket(rid, span)
         return self._expectation(
             stats, uh.wait(), lambda: 1.0 if uh.done() else 0.0, uh.cancel, finish, ticket
         )

@@ -68,20 +68,26 @@ class LeaseTable:
     def get(self, request_id: str) -> Lease | None:
         return self._leases.get(request_id)
 
-    def grant(self, request_id: str, seconds: float | None = None) -> Lease:
-        """A new lease for a request that holds none."""
+    def grant(
+        self, request_id: str, seconds: float | None = None, *, now: float | None = None
+    ) -> Lease:
+        """A new lease for a request that holds none, from ``now`` (clock
+        time; None: the clock's now)."""
         if request_id in self._leases:
             raise InvalidArgument(f"request {request_id!r} already holds a lease (a send runs)")
         s = self.default if seconds is None else check_lease_seconds(seconds)
-        now = self.clock()
+        if now is None:
+            now = self.clock()
         lease = Lease(request_id, s, now, now + s)
         self._leases[request_id] = lease
         heapq.heappush(self._heap, (lease.deadline, request_id))
         return lease
 
-    def renew(self, request_id: str, seconds: float | None = None) -> Lease | None:
-        """Extend a live lease to ``seconds`` from now (None: the length it
-        was granted with).  Returns None when the request holds no lease (its
+    def renew(
+        self, request_id: str, seconds: float | None = None, *, now: float | None = None
+    ) -> Lease | None:
+        """Extend a live lease to ``seconds`` from ``now`` (None: the clock's
+        now; ``seconds`` None: the length it was granted with).  Returns None when the request holds no lease (its
         send ended, or it never had one): there is nothing left to renew."""
         lease = self._leases.get(request_id)
         s = None if seconds is None else check_lease_seconds(seconds)
@@ -89,7 +95,7 @@ class LeaseTable:
             return None
         if s is not None:
             lease.seconds = s
-        lease.deadline = self.clock() + lease.seconds
+        lease.deadline = (self.clock() if now is None else now) + lease.seconds
         lease.renewals += 1
         heapq.heappush(self._heap, (lease.deadline, request_id))
         return lease

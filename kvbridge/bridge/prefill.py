@@ -295,7 +295,7 @@ class PrefillBridge:
         await self.close()
 
     # ---- sending -----------------------------------------------------------------
-    def _ticket(self, name: str, raw: bytes | Ticket) -> Ticket:
+    def _ticket(self, name: str, raw: bytes | Ticket, *, known: bool = True) -> Ticket:
         t = raw if isinstance(raw, Ticket) else Ticket.decode(raw)
         if t.compat_hash != self.layout.compat_hash:
             raise IncompatiblePeer(
@@ -306,7 +306,8 @@ class PrefillBridge:
             raise IncompatiblePeer(
                 f"{name}: the ticket is for model {t.model!r} != ours {self.model_id!r}"
             )
-        self.destination(name).check_ticket(t)
+        if known:
+            self.destination(name).check_ticket(t)
         self.send_heads(name, t)
         return t
 
@@ -347,6 +348,41 @@ class PrefillBridge:
         table = bound if bound is not None else KVSpan(pages, 0, 0)  # copied once
         return {n: (t, self._span(n, table, bound, t)) for n, t in out.items()}
 
+    def check_send(
+        self,
+        request_id: str | int,
+        block_table: Any,
+        tickets: Mapping[str, bytes | Ticket],
+        *,
+        reach_later: bool = False,
+    ) -> tuple[Any, dict[str, Ticket]]:
+        """The checks :meth:`send` makes before anything moves, alone: every
+        ticket decoded and checked against this bridge and its destination,
+        each destination's span against the cache
+        (:class:`~kvbridge.errors.PageIndexError`).  It reads only state that
+        a connect or disconnect replaces whole, so any thread may call it
+        (:class:`~kvbridge.bridge.sync.SyncBridge` does, in the engine's).
+        ``reach_later``: a destination not connected yet is one
+        :meth:`reach` will connect; its ticket is checked but for the
+        destination's own rules, which :meth:`send` checks.  Whether the
+        request is being sent already is not checked here.  Returns what
+        :meth:`send` may be given instead: the block table (the span given,
+        or a private read-only copy of the table) and the decoded tickets."""
+        rid = str(request_id)
+        dests = self._dests
+        bound = block_table if isinstance(block_table, KVSpan) else None
+        table = bound if bound is not None else KVSpan(block_table, 0, 0)
+        out: dict[str, Ticket] = {}
+        for name, raw in tickets.items():
+            t = self._ticket(name, raw, known=not reach_later or name in dests)
+            if t.request_id != rid:
+                raise InvalidArgument(
+                    f"{name}: ticket is for request {t.request_id!r}, not {rid!r}"
+                )
+            self._span(name, table, bound, t).check(self.cache)
+            out[name] = t
+        return (bound if bound is not None else table.block_table), out
+
     def _span(self, name: str, table: KVSpan, bound: KVSpan | None, t: Ticket) -> KVSpan:
         """What we send for ticket ``t``: our pages, the ticket's tokens and
         layers, the heads :meth:`send_heads` says.  A span the engine gave
@@ -383,6 +419,7 @@ class PrefillBridge:
         priority: int = 0,
         timeout: float | None = 60.0,
         lease: float | None = None,
+        granted_at: float | None = None,
     ) -> MultiSend:
         """Send the KV each ticket asks for, to every destination at once.
         Each destination progresses and completes on its own.  ``lease``: how
@@ -390,10 +427,11 @@ class PrefillBridge:
         ``block_table``: our pages of the request, or a
         :class:`~kvbridge.span.KVSpan` of them, which also bounds the tokens,
         layers and heads a ticket may ask for (``InvalidArgument`` before
-        anything moves otherwise)."""
+        anything moves otherwise).  ``granted_at``: the lease counts from
+        that time of the lease clock (the caller's call; default now)."""
         rid = str(request_id)
         checked = self._checked(rid, block_table, tickets)
-        self.leases.grant(rid, lease)
+        self.leases.grant(rid, lease, now=granted_at)
         out: dict[str, Delivery] = {}
         try:
             for name, (t, span) in checked.items():
@@ -431,13 +469,14 @@ class PrefillBridge:
         timeout: float | None = 60.0,
         layer_timeout: float = 30.0,
         lease: float | None = None,
+        granted_at: float | None = None,
     ) -> LayerwiseSend:
         """Start a send whose layers leave as prefill finishes them: call
         :meth:`LayerwiseSend.layers_ready` after each layer (or group).
         ``block_table`` as in :meth:`send` (a table or a span)."""
         rid = str(request_id)
         checked = self._checked(rid, block_table, tickets)
-        self.leases.grant(rid, lease)
+        self.leases.grant(rid, lease, now=granted_at)
         feeds: dict[str, LayerFeed] = {}
         try:
             for name, (t, span) in checked.items():
@@ -479,11 +518,14 @@ class PrefillBridge:
         group.on_done(done)
         self._arm_leases()
 
-    def renew_lease(self, request_id: str | int, seconds: float | None = None) -> bool:
+    def renew_lease(
+        self, request_id: str | int, seconds: float | None = None, *, at: float | None = None
+    ) -> bool:
         """Extend a running send's lease to ``seconds`` from now (None: the
-        length it was granted with).  False when the request holds no lease
-        (its send has ended): nothing is pinned any more."""
-        ok = self.leases.renew(str(request_id), seconds) is not None
+        length it was granted with; ``at``: from that time of the lease
+        clock instead of now).  False when the request holds no lease (its
+        send has ended): nothing is pinned any more."""
+        ok = self.leases.renew(str(request_id), seconds, now=at) is not None
         if ok:
             self._arm_leases()
         return ok

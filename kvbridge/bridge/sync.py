@@ -15,6 +15,7 @@ which never blocks.  docs/engine-integration.md shows the calls in order.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -37,10 +38,9 @@ from ..errors import (
     Unavailable,
 )
 from ..pack import PagedKVCache
-from ..span import KVSpan, as_span
 from ..transport.tcp.receiver import ReceiverLimits
 from ..wire.frames import CONTROL_FIRST
-from .decode import DecodeBridge, Expectation
+from .decode import DecodeBridge, Expectation, PreparedExpect
 from .destination import TcpDestination
 from .events import BridgeEvents, TransferDone, TransferFailed
 from .handles import Delivery, DeliveryStats, Outcome, SendGroup
@@ -63,18 +63,33 @@ _CONNECT_SLACK = 0.5  # beyond connect_timeout, for the loop thread to answer
 
 
 class _Send:
-    def __init__(self, group: SendGroup) -> None:
-        self.group = group
+    """A send from the moment ``send()`` accepted it: its destinations are
+    known at once; ``group`` once the loop started it.  What the engine asks
+    of it before then (layers ready, a renewal, a cancel) waits here and is
+    applied when it starts."""
+
+    def __init__(self, rid: str, names: list[str], layerwise: bool) -> None:
+        self.rid = rid
+        self.names = names
+        self.layerwise = layerwise
+        self.group: SendGroup | None = None
         self.reported: set[str] = set()
         self.released = False
+        self.layers = 0  # layers_ready(n) asked before the group existed
+        self.renewals: list[tuple[float | None, float]] = []  # (seconds, asked at)
+        self.cancel_reason: str | None = None
 
 
 class _Recv:
-    def __init__(self, rid: str, peer: str, exp: Expectation) -> None:
+    """An expect from the moment ``expect()`` returned its ticket; ``exp``
+    once the loop registered it."""
+
+    def __init__(self, rid: str, peer: str) -> None:
         self.rid = rid
         self.peer = peer
-        self.exp = exp
+        self.exp: Expectation | None = None
         self.reported = False
+        self.cancel_reason: str | None = None
 
 
 _NEW, _RUNNING, _CLOSING, _CLOSED = "new", "running", "closing", "closed"
@@ -179,6 +194,7 @@ class SyncBridge:
         self._prefill: PrefillBridge | None = None
         self._decode: DecodeBridge | None = None
         self._tcp_port: int | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -----------------------------------------------------------------
     def start(self) -> SyncBridge:
@@ -194,7 +210,7 @@ class SyncBridge:
                     return self
             lt = LoopThread(f"kvbridge-{self.identity}")
             try:
-                lt.call(self._astart, self.call_timeout, "start()")
+                lt.call(functools.partial(self._astart, lt), self.call_timeout, "start()")
             except BaseException:
                 try:
                     lt.call(self._aclose_parts, self.call_timeout, "start() cleanup")
@@ -209,7 +225,7 @@ class SyncBridge:
         finally:
             self._start_lock.release()
 
-    async def _astart(self) -> None:
+    async def _astart(self, lt: LoopThread) -> None:
         view = self.metrics.for_bridge(self.identity, self.model_id)
         opts = self._options
         if opts.tcp_listen is not None or self._ucx:
@@ -220,6 +236,8 @@ class SyncBridge:
                 raise Unavailable(f"cannot listen on {opts.tcp_listen}: {e}") from e
             if opts.tcp_listen is not None:
                 self._tcp_port = int(self._decode.tcp_address[1])
+                # an OPEN may name a ticket whose expect() is still queued
+                self._decode.tcp.token_miss = lt.drain
         agent = self._decode.ucx_agent if self._ucx and self._decode else opts.ucx_agent
         self._prefill = PrefillBridge(
             self.cache, **opts.kwargs_for(PrefillBridge, ucx_agent=agent, metrics=view)
@@ -251,7 +269,7 @@ class SyncBridge:
         assert lt is not None
         deadline = time.monotonic() + self.call_timeout
         try:
-            lt.call(self._aclose, self.call_timeout, "close()")
+            lt.call(functools.partial(self._aclose, lt), self.call_timeout, "close()")
         except KVBridgeError as e:
             log.warning("bridge %r did not close cleanly: %s", self.identity, e)
             self._end_pending()  # whatever the loop could not report
@@ -270,28 +288,44 @@ class SyncBridge:
             self._sends.clear()
             self._recvs.clear()
             for s in sends:
-                for name in s.group.destinations:
-                    if name not in s.reported:
-                        s.reported.add(name)
-                        self._events.failed.append(
-                            TransferFailed(s.group.request_id, name, "send", err)
-                        )
-                if not s.released:
-                    s.released = True
-                    self._events.released.append(s.group.request_id)
+                self._report_send_end(s, err)
             for r in recvs:
-                if not r.reported:
-                    r.reported = True
-                    self._events.failed.append(TransferFailed(r.rid, r.peer, "recv", err))
+                self._report_recv(r, err)
         return sends, recvs
 
-    async def _aclose(self) -> None:
+    def _report_send_end(self, s: _Send, err: KVBridgeError) -> None:
+        """(lock held) Every destination not reported yet failed with
+        ``err``, and the send released."""
+        for name in s.names:
+            if name not in s.reported:
+                s.reported.add(name)
+                self._events.failed.append(TransferFailed(s.rid, name, "send", err))
+        if not s.released:
+            s.released = True
+            self._events.released.append(s.rid)
+
+    def _report_recv(self, r: _Recv, out: Outcome) -> None:
+        """(lock held) The receive's one outcome, unless it had one."""
+        if r.reported:
+            return
+        r.reported = True
+        if isinstance(out, DeliveryStats):
+            self._events.received.append(TransferDone(r.rid, r.peer, out))
+        else:
+            self._events.failed.append(TransferFailed(r.rid, r.peer, "recv", out))
+
+    async def _aclose(self, lt: LoopThread) -> None:
+        # the calls queued before close() first: their transfers start and are
+        # then ended below like every other, so their peers hear of it too
+        lt.drain()
         sends, recvs = self._end_pending()
         err = BridgeClosed(f"bridge {self.identity!r} closed")
         for s in sends:
-            s.group.fail(err)
+            if s.group is not None:
+                s.group.fail(err)
         for r in recvs:
-            r.exp.cancel(str(err))
+            if r.exp is not None:
+                r.exp.cancel(str(err))
         await self._aclose_parts()
 
     def __enter__(self) -> SyncBridge:
@@ -301,6 +335,13 @@ class SyncBridge:
         self.close()
 
     # ---- state ----------------------------------------------------------------------
+    def _check_running(self, what: str) -> None:
+        """(lock held) Raise unless the bridge runs."""
+        if self._state != _RUNNING:
+            if self._state == _NEW:
+                raise InvalidArgument(f"{what}: call start() first")
+            raise BridgeClosed(f"{what}: the bridge is closed")
+
     def _running(self, what: str) -> LoopThread:
         with self._lock:
             if self._state == _RUNNING and self._loop is not None:
@@ -313,6 +354,11 @@ class SyncBridge:
         """On the loop: a call that raced close() must not act."""
         if self._state != _RUNNING:
             raise BridgeClosed(f"{what}: the bridge is closed")
+
+    def _live(self) -> bool:
+        """On the loop: queued work still runs (close() drains the queue
+        while closing, then ends what it started)."""
+        return self._state in (_RUNNING, _CLOSING)
 
     @property
     def running(self) -> bool:
@@ -474,42 +520,55 @@ class SyncBridge:
         :meth:`poll` reports the request once, when all of them landed or
         when the first part failed (which cancels the others)."""
         lt = self._running("expect()")
-        rid = str(request_id)
-        span = as_span(block_table, start, end, layers, heads, what="expect()")
         _seconds(timeout, "timeout")
-        srcs = None if sources is None else list(sources)
+        dec = self._decode
+        if dec is None:
+            raise Unavailable(
+                "this bridge does not receive: start it with tcp_listen=(host, port) or ucx=True"
+            )
+        prep = dec.prepare_expect(
+            request_id, block_table, start, end,
+            layers=layers, via=via, heads=heads, sources=sources,
+        )  # fmt: skip
+        rid = prep.request_id
+        st = _Recv(rid, peer)
+        with self._lock:
+            self._check_running("expect()")
+            if rid in self._recvs:
+                raise InvalidArgument(f"request {rid!r} is already expected")
+            self._recvs[rid] = st
+        lt.submit(functools.partial(self._start_recv, st, prep, timeout))
+        return prep.ticket if sources is None else prep.tickets
 
-        def run() -> bytes | dict[str, bytes]:
-            self._on_loop_check("expect()")
-            if self._decode is None:
-                raise Unavailable(
-                    "this bridge does not receive: start it with tcp_listen=(host, port) "
-                    "or ucx=True"
-                )
-            with self._lock:
-                if rid in self._recvs:
-                    raise InvalidArgument(f"request {rid!r} is already expected")
-            exp = self._decode.expect(rid, span, via=via, timeout=timeout, sources=srcs)
-            st = _Recv(rid, peer, exp)
-            with self._lock:
-                self._recvs[rid] = st
-            exp.add_done_callback(lambda d: self._on_received(st, d))
-            return exp.ticket if srcs is None else dict(exp.tickets)
+    def _start_recv(self, st: _Recv, prep: PreparedExpect, timeout: float) -> None:
+        """On the loop: register a prepared expect (queued by expect())."""
+        if not self._live() or st.reported:
+            return  # close() reported it
+        assert self._decode is not None
+        try:
+            exp = self._decode.expect_prepared(prep, timeout)
+        except Exception as e:
+            self._recv_failed(st, _typed(e, f"expect({st.rid!r}) failed to start"))
+            return
+        st.exp = exp
+        exp.add_done_callback(lambda d: self._on_received(st, d))
+        if st.cancel_reason is not None:
+            exp.cancel(st.cancel_reason)
 
-        return lt.call_fn(run, self.call_timeout, "expect()")
-
-    def _on_received(self, st: _Recv, d: Delivery) -> None:
-        out = d.outcome()
+    def _recv_failed(self, st: _Recv, err: KVBridgeError) -> None:
         with self._lock:
             if self._recvs.get(st.rid) is st:
                 del self._recvs[st.rid]
-            if st.reported or out is None:
-                return
-            st.reported = True
-            if isinstance(out, DeliveryStats):
-                self._events.received.append(TransferDone(st.rid, st.peer, out))
-            else:
-                self._events.failed.append(TransferFailed(st.rid, st.peer, "recv", out))
+            self._report_recv(st, err)
+
+    def _on_received(self, st: _Recv, d: Delivery) -> None:
+        out = d.outcome()
+        if out is None:
+            return
+        with self._lock:
+            if self._recvs.get(st.rid) is st:
+                del self._recvs[st.rid]
+            self._report_recv(st, out)
 
     # ---- sending --------------------------------------------------------------------
     def send(
@@ -525,117 +584,172 @@ class SyncBridge:
         layer_timeout: float = 30.0,
     ) -> None:
         """Send a request's KV to every destination whose ticket is given;
-        returns once it has started.  Every ticket is checked first (a bad
-        one raises here and nothing moves).  The pages stay leased to
-        kvbridge until :meth:`poll` lists the request in ``released`` (at
-        most ``lease`` seconds, default ``lease_timeout``, unless renewed).
-        ``layerwise``: the layers leave as :meth:`layers_ready` releases them.
-        ``block_table`` is our pages of the request (copied), or a
-        :class:`~kvbridge.span.KVSpan` of them that also bounds what the
-        tickets may ask for."""
+        returns at once, without waiting for kvbridge's loop thread.  Every
+        ticket is checked first (a bad one raises here and nothing moves).
+        What only the loop can find (a destination that went away meanwhile,
+        one a resolver cannot reach) arrives through :meth:`poll` as a
+        ``failed`` outcome per destination, with ``released``.  The pages
+        stay leased to kvbridge until :meth:`poll` lists the request in
+        ``released`` (at most ``lease`` seconds, default ``lease_timeout``,
+        unless renewed).  ``layerwise``: the layers leave as
+        :meth:`layers_ready` releases them.  ``block_table`` is our pages of
+        the request (copied), or a :class:`~kvbridge.span.KVSpan` of them
+        that also bounds what the tickets may ask for."""
         lt = self._running("send()")
         rid = str(request_id)
-        bt = _pages(block_table)
         _seconds(timeout, "timeout")
         _seconds(layer_timeout, "layer_timeout")
+        if lease is not None:
+            check_lease_seconds(lease)
         tk = {str(n): _ticket_bytes(n, t) for n, t in dict(tickets).items()}
-
-        def run() -> None:
-            self._on_loop_check("send()")
-            assert self._prefill is not None
-            with self._lock:
-                if rid in self._sends:
-                    raise InvalidArgument(f"request {rid!r} is being sent already")
-            group: SendGroup
-            if layerwise:
-                group = self._prefill.send_layerwise(
-                    rid,
-                    bt,
-                    tk,
-                    priority=priority,
-                    timeout=timeout,
-                    layer_timeout=layer_timeout,
-                    lease=lease,
-                )
-            else:
-                group = self._prefill.send(
-                    rid, bt, tk, priority=priority, timeout=timeout, lease=lease
-                )
-            st = _Send(group)
-            with self._lock:
-                self._sends[rid] = st
-            group.on_outcome(lambda name, out: self._on_sent(st, name, out))
-            group.on_done(lambda _g: self._on_released(st))
-
-        rp = self._prefill.resolved if self._prefill is not None else None
+        if not tk:
+            raise InvalidArgument("send() needs at least one destination's ticket")
+        pre = self._prefill
+        assert pre is not None
+        rp = pre.resolved
+        # (the table copied once, the tickets decoded once: the loop gets both)
+        bt, decoded = pre.check_send(rid, block_table, tk, reach_later=rp is not None)
+        tk = dict[str, bytes | Ticket](decoded)
+        st = _Send(rid, list(tk), bool(layerwise))
+        with self._lock:
+            self._check_running("send()")
+            if rid in self._sends:
+                raise InvalidArgument(f"request {rid!r} is being sent already")
+            self._sends[rid] = st
+        # the lease counts from this call, whenever the loop starts the send
+        kw = {"priority": priority, "timeout": timeout, "lease": lease, "granted_at": self._clock()}
+        if layerwise:
+            kw["layer_timeout"] = layer_timeout
         if rp is None:
-            lt.call_fn(run, self.call_timeout, "send()")
-            return
-        # destinations named by engine id: connected (or reconnected) first
-        ct = float(rp.defaults.connect_timeout)
+            lt.submit(functools.partial(self._start_send, st, bt, tk, kw))
+        else:  # destinations named by engine id: connected (or reconnected) first
+            lt.submit(functools.partial(self._reach_then_send, st, bt, tk, kw))
+
+    def _reach_then_send(
+        self, st: _Send, bt: Any, tk: dict[str, bytes | Ticket], kw: dict[str, Any]
+    ) -> None:
+        assert self._prefill is not None and self._prefill.resolved is not None
+        ct = float(self._prefill.resolved.defaults.connect_timeout)
 
         def late(name: str) -> ConnectTimeout:
             return ConnectTimeout(f"{name}: not connected within {ct:g} s")
 
-        async def reach_then_run() -> None:
-            self._on_loop_check("send()")
-            for name in tk:
-                await self._reach(name, ct, late)
-            run()
+        async def run() -> None:
+            try:
+                for name in tk:
+                    if not self._live() or st.released:
+                        return
+                    await self._reach(name, ct, late)
+            except Exception as e:
+                self._send_failed(st, _typed(e, f"send({st.rid!r}): reaching a destination"))
+                return
+            self._start_send(st, bt, tk, kw)
 
-        lt.call(reach_then_run, self.call_timeout + len(tk) * (ct + _CONNECT_SLACK), "send()")
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start_send(
+        self, st: _Send, bt: Any, tk: dict[str, bytes | Ticket], kw: dict[str, Any]
+    ) -> None:
+        """On the loop: start a send that send() accepted."""
+        if not self._live() or st.released:
+            return  # close() reported it
+        pre = self._prefill
+        assert pre is not None
+        try:
+            group: SendGroup
+            if st.layerwise:
+                group = pre.send_layerwise(st.rid, bt, tk, **kw)
+            else:
+                group = pre.send(st.rid, bt, tk, **kw)
+        except Exception as e:
+            self._send_failed(st, _typed(e, f"send({st.rid!r}) failed to start"))
+            return
+        st.group = group
+        group.on_outcome(lambda name, out: self._on_sent(st, name, out))
+        group.on_done(lambda _g: self._on_released(st))
+        # what the engine asked before the send started
+        if st.layers and isinstance(group, LayerwiseSend):
+            group.layers_ready(st.layers)
+        for seconds, at in st.renewals:
+            pre.renew_lease(st.rid, seconds, at=at)
+        if st.cancel_reason is not None:
+            group.cancel(st.cancel_reason)
+
+    def _send_failed(self, st: _Send, err: KVBridgeError) -> None:
+        with self._lock:
+            if self._sends.get(st.rid) is st:
+                del self._sends[st.rid]
+            self._report_send_end(st, err)
 
     def _on_sent(self, st: _Send, name: str, out: Outcome) -> None:
-        rid = st.group.request_id
         with self._lock:
             if name in st.reported:
                 return
             st.reported.add(name)
             if isinstance(out, DeliveryStats):
-                self._events.sent.append(TransferDone(rid, name, out))
+                self._events.sent.append(TransferDone(st.rid, name, out))
             else:
-                self._events.failed.append(TransferFailed(rid, name, "send", out))
+                self._events.failed.append(TransferFailed(st.rid, name, "send", out))
 
     def _on_released(self, st: _Send) -> None:
-        rid = st.group.request_id
         with self._lock:
-            if self._sends.get(rid) is st:
-                del self._sends[rid]
+            if self._sends.get(st.rid) is st:
+                del self._sends[st.rid]
             if not st.released:
                 st.released = True
-                self._events.released.append(rid)
+                self._events.released.append(st.rid)
 
     def layers_ready(self, request_id: str | int, n: int) -> bool:
         """Layers ``[0, n)`` of a layer-wise send are computed: let them
-        leave.  False when the request has no running send (it ended)."""
+        leave.  Returns at once; False when the request has no running send
+        (it ended)."""
         lt = self._running("layers_ready()")
         rid = str(request_id)
+        if isinstance(n, bool) or not isinstance(n, int | np.integer):
+            raise InvalidArgument(f"layers_ready() takes a layer count, got {n!r}")
+        k = int(n)
+        layers = self.cache.layout.num_layers
+        if not 0 <= k <= layers:
+            raise InvalidArgument(f"layer {k} outside [0, {layers}]")
+        with self._lock:
+            st = self._sends.get(rid)
+        if st is None:
+            return False
+        if not st.layerwise:
+            raise InvalidArgument(f"request {rid!r} was not sent with layerwise=True")
+        lt.submit(functools.partial(self._apply_layers, st, k))
+        return True
 
-        def run() -> bool:
-            self._on_loop_check("layers_ready()")
-            with self._lock:
-                st = self._sends.get(rid)
-            if st is None:
-                return False
-            if not isinstance(st.group, LayerwiseSend):
-                raise InvalidArgument(f"request {rid!r} was not sent with layerwise=True")
-            st.group.layers_ready(int(n))
-            return True
-
-        return lt.call_fn(run, self.call_timeout, "layers_ready()")
+    @staticmethod
+    def _apply_layers(st: _Send, n: int) -> None:
+        if st.group is None:
+            st.layers = max(st.layers, n)
+        elif isinstance(st.group, LayerwiseSend):
+            st.group.layers_ready(n)
 
     def renew_lease(self, request_id: str | int, seconds: float | None = None) -> bool:
         """Extend a running send's lease to ``seconds`` from now (None: the
-        length it was granted with).  False when the request holds no lease."""
+        length it was granted with).  Returns at once; False when the request
+        holds no lease."""
         lt = self._running("renew_lease()")
         rid = str(request_id)
+        if seconds is not None:
+            check_lease_seconds(seconds)
+        with self._lock:
+            st = self._sends.get(rid)
+        if st is None:
+            return False
+        # from this call, whenever the loop applies it
+        lt.submit(functools.partial(self._apply_renewal, st, seconds, self._clock()))
+        return True
 
-        def run() -> bool:
-            self._on_loop_check("renew_lease()")
-            assert self._prefill is not None
-            return self._prefill.renew_lease(rid, seconds)
-
-        return lt.call_fn(run, self.call_timeout, "renew_lease()")
+    def _apply_renewal(self, st: _Send, seconds: float | None, at: float) -> None:
+        if st.group is None:
+            st.renewals.append((seconds, at))
+        elif self._prefill is not None:
+            self._prefill.renew_lease(st.rid, seconds, at=at)
 
     def expire_leases(self) -> list[str]:
         """Abort the sends whose lease has run out now (by the lease clock);
@@ -650,23 +764,32 @@ class SyncBridge:
         return lt.call_fn(run, self.call_timeout, "expire_leases()")
 
     def cancel(self, request_id: str | int, reason: str = "cancelled by the engine") -> bool:
-        """Abort a request's send and its expected receive at both ends; the
-        endings arrive through :meth:`poll` (``Cancelled`` here, a typed
-        error at the peer).  False when nothing of it was running."""
+        """Abort a request's send and its expected receive at both ends;
+        returns at once.  The endings arrive through :meth:`poll`
+        (``Cancelled`` here, a typed error at the peer).  False when nothing
+        of it was running."""
         lt = self._running("cancel()")
         rid = str(request_id)
+        why = str(reason)
+        with self._lock:
+            s, r = self._sends.get(rid), self._recvs.get(rid)
+        if s is None and r is None:
+            return False
+        lt.submit(functools.partial(self._apply_cancel, s, r, why))
+        return True
 
-        def run() -> bool:
-            self._on_loop_check("cancel()")
-            with self._lock:
-                s, r = self._sends.get(rid), self._recvs.get(rid)
-            if s is not None:
+    @staticmethod
+    def _apply_cancel(s: _Send | None, r: _Recv | None, reason: str) -> None:
+        if s is not None:
+            if s.group is None:
+                s.cancel_reason = s.cancel_reason or reason
+            else:
                 s.group.cancel(reason)
-            if r is not None:
+        if r is not None:
+            if r.exp is None:
+                r.cancel_reason = r.cancel_reason or reason
+            else:
                 r.exp.cancel(reason)
-            return s is not None or r is not None
-
-        return lt.call_fn(run, self.call_timeout, "cancel()")
 
     # ---- outcomes -------------------------------------------------------------------
     def poll(self) -> BridgeEvents:
@@ -753,14 +876,6 @@ def _from_destination(
     return handler
 
 
-def _pages(block_table: Any) -> Any:
-    """An engine's span as it is, or a private, read-only int32 copy of its
-    block table (list, array or tensor), checked in the engine's thread."""
-    if isinstance(block_table, KVSpan):
-        return block_table
-    return KVSpan(block_table, 0, 0).block_table
-
-
 def _seconds(value: float, what: str) -> float:
     """A bound in seconds: finite and > 0 (a wait without one would not end)."""
     if (
@@ -788,3 +903,11 @@ def _control_type(frame_type: int) -> int:
     if not CONTROL_FIRST <= ft <= 0xFF:
         raise InvalidArgument(f"CONTROL frame type {ft:#x} outside 0x40-0xFF")
     return ft
+
+
+def _typed(e: BaseException, what: str) -> KVBridgeError:
+    """A failure found on the loop, as the typed error poll() reports."""
+    if isinstance(e, KVBridgeError):
+        return e
+    log.error("%s: %s: %s", what, type(e).__name__, e, exc_info=e)
+    return KVBridgeError(f"{what}: {type(e).__name__}: {e}")

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "latency": "4 KiB / 64 KiB put-to-landed latency: kvbridge UCX and TCP vs NIXL and uvloop",
     "wan": "goodput through the packet-level WAN emulator vs the line rate and one TCP stream",
     "transfer": "TCP transfer goodput vs raw sockets; small-transfer latency behind a large one",
+    "embedded": "kvbridge inside a busy engine: call times beside NIXL's, goodput by engine load",
 }
 
 

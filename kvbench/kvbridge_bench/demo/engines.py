@@ -322,18 +322,30 @@ def cached_reference_streams(
     return out, False
 
 
-def _scores(logits: torch.Tensor, params: SamplingParams, index: int) -> torch.Tensor:
-    """The scores whose argmax :func:`sample` takes (see :func:`sample_margin`)."""
+def _deficit(logits: torch.Tensor, params: SamplingParams, index: int, token: int) -> float:
+    """How far ``token`` is from being what :func:`sample` draws at
+    ``index`` from ``logits``: 0 when it is; otherwise the smallest change of
+    the scores (logits / temperature) that would make it win, which is both
+    its gap to the best score and, under top-k, its gap below the k-th
+    logit.  A token that another computation of the same logits placed
+    inside the top k while this one places it just outside (a tie at the
+    k-th logit, one rounding step apart) gets that small gap, not an
+    infinite one: the k-th boundary is a near tie like any other."""
     x = logits.detach().to("cpu", torch.float64)
     if params.greedy:
-        return x
+        return float(x.max() - x[token])
     x = x / params.temperature
+    outside = 0.0
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, -math.inf)
+        outside = max(0.0, float(kth - x[token]))
+        keep = x >= kth
+        keep[token] = True
+        x = x.masked_fill(~keep, -math.inf)
     g = torch.Generator(device="cpu").manual_seed(index_seed(params.seed, index))
     u = torch.rand(x.numel(), generator=g, dtype=torch.float64).clamp_(1e-300, 1.0)
-    return x - torch.log(-torch.log(u))
+    x = x - torch.log(-torch.log(u))
+    return max(outside, float(x.max() - x[token]))
 
 
 def verify_streams(
@@ -342,7 +354,7 @@ def verify_streams(
 ) -> dict[int, float]:
     """For each ``(rid, prompt, params, output)``, teacher-force ``output``
     through the reference engine and return the largest deficit of an output
-    token's score against the best score at its position (0: every token is
+    token (:func:`_deficit`: its score's gap to what wins at its position; 0: every token is
     what the reference samples given the same prefix).  A stream that took
     another token at a near tie (floating-point rounding of two different
     computations) has a small deficit there and 0 elsewhere; wrong KV or a
@@ -366,8 +378,7 @@ def verify_streams(
                 rows += list(eng.forward({rid: list(output[:-1])})[rid])
             worst = 0.0
             for i, (row, tok) in enumerate(zip(rows, output, strict=False)):
-                sc = _scores(row, params, i)
-                worst = max(worst, float(sc.max() - sc[int(tok)]))
+                worst = max(worst, _deficit(row, params, i, int(tok)))
             out[rid] = worst
         finally:
             pre.release(rid, done)

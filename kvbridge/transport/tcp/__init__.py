@@ -17,7 +17,7 @@ from .conn import FrameConnection
 from .handles import ExpectHandle, SendHandle
 from .kvio import BytesSink, BytesSource, KVSink, KVSource, Sink, Source
 from .limits import ReceiverLimits
-from .receiver import TcpReceiver
+from .receiver import TcpReceiver, new_token
 from .scheduler import ChunkScheduler
 from .sender import DEFAULT_CHUNK, DEFAULT_STREAMS, TcpSender
 
@@ -44,6 +44,7 @@ __all__ = [
     "TcpSender",
     "TransferStats",
     "new_event_loop",
+    "new_token",
     "run",
 ]
 

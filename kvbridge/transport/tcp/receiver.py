@@ -84,7 +84,13 @@ from .writes import WriteQueue, decode_and_write, verifies_in_copy
 
 log = logging.getLogger("kvbridge.transport")
 
-__all__ = ["ExpectHandle", "ReceiverLimits", "TcpReceiver"]
+__all__ = ["ExpectHandle", "ReceiverLimits", "TcpReceiver", "new_token"]
+
+
+def new_token() -> bytes:
+    """A fresh transfer token (16 random bytes) for :meth:`TcpReceiver.expect`."""
+    return os.urandom(TOKEN_SIZE)
+
 
 ControlHandler = Callable[[FrameConnection, int, bytes], None]
 DEFAULT_LIMITS = ReceiverLimits()
@@ -151,6 +157,10 @@ class TcpReceiver:
         self._closing = False
         self._server: asyncio.Server | None = None
         self._expected: dict[bytes, _Rx] = {}
+        # called on the loop when an OPEN names a token not expected (yet):
+        # runs whatever expects are queued for this loop, then the token is
+        # looked up again (SyncBridge hands out a ticket before its expect runs)
+        self.token_miss: Callable[[], None] | None = None
         self._peers = PeerTable(limits)
         self._conns: dict[FrameConnection, _ConnState] = {}
         self._handshakes: set[asyncio.Task[None]] = set()
@@ -225,14 +235,26 @@ class TcpReceiver:
         await self.close()
 
     # ---- engine API ----------------------------------------------------------------------
-    def expect(self, request_id: str, sink: Sink, *, timeout: float | None = None) -> ExpectHandle:
+    def expect(
+        self,
+        request_id: str,
+        sink: Sink,
+        *,
+        timeout: float | None = None,
+        token: bytes | None = None,
+    ) -> ExpectHandle:
         """Expect a transfer into ``sink``; returns the handle whose ``token`` the
         sender must present.  ``timeout`` bounds the whole transfer (None:
-        ``DEFAULT_TRANSFER_TIMEOUT``, 60 s)."""
+        ``DEFAULT_TRANSFER_TIMEOUT``, 60 s).  ``token``: one drawn beforehand
+        with :func:`new_token` (a caller that hands out the ticket before this
+        call runs; see ``token_miss``); None draws one here."""
         if not is_sink(sink):
             raise InvalidArgument("sink must provide nbytes, layout_hash, ranges, write and flush")
         seconds = transfer_timeout(timeout)
-        token = os.urandom(TOKEN_SIZE)
+        if token is None:
+            token = new_token()
+        elif len(token) != TOKEN_SIZE or token in self._expected:
+            raise InvalidArgument(f"a transfer token is {TOKEN_SIZE} fresh random bytes")
         holder: list[_Rx] = []
         handle = ExpectHandle(
             request_id,
@@ -383,9 +405,19 @@ class TcpReceiver:
         if st is None:
             return
         unknown = st.rules.unknown_tokens
-        outs = st.rules.receive(m, self._expected.get)
+        outs = st.rules.receive(m, self._find)
         self.stats["unknown_tokens"] += st.rules.unknown_tokens - unknown
         self._carry(conn, st, outs)
+
+    def _find(self, token: bytes) -> _Rx | None:
+        """The transfer an OPEN's token names.  A token not known yet may
+        belong to an expectation whose ticket is out but whose ``expect`` is
+        still queued for this loop (``token_miss`` runs that queue first)."""
+        t = self._expected.get(token)
+        if t is None and self.token_miss is not None:
+            self.token_miss()
+            t = self._expected.get(token)
+        return t
 
     def _carry(self, conn: FrameConnection, st: _ConnState, outs: list[ConnOutput[_Rx]]) -> None:
         """Carry out what a connection's rules return."""

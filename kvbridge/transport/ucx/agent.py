@@ -68,6 +68,9 @@ from .regions import Registration, map_engine_error
 from .runs import CacheGeometry, as_table, check_table, plan_args
 from .staging import Staging
 
+#: how many dropped peers an agent remembers (a DONE of theirs drained late)
+MAX_GONE_IDS = 256
+
 __all__ = ["COUNTERS", "UcxAgent"]
 
 # What stats() counts: messages dropped, parts refused, HELLOs refused.
@@ -257,6 +260,8 @@ class UcxAgent:
         # count of such peers per request; what waits for each (a staging slot)
         self._unacked: dict[tuple[UcxPeer, str], asyncio.TimerHandle] = {}
         self._unacked_rids: dict[str, int] = {}
+        # the peers dropped last (agent id -> why), newest last
+        self._gone_ids: dict[bytes, KVBridgeError] = {}
         self._after_ack: dict[tuple[UcxPeer, str], list[Callable[[], None]]] = {}
         # receives whose outcome is decided and held until their request is quiet
         self._held: set[TransferHandle] = set()
@@ -506,6 +511,10 @@ class UcxAgent:
         a flush of what we posted to it (it stopped answering)."""
         if self._peers.get(peer.agent_id) is peer:
             del self._peers[peer.agent_id]
+        # a DONE of it drained after this fails the receive it binds (_events)
+        self._gone_ids[peer.agent_id] = peer.error or PeerGone(f"peer {peer.name[:8]} was dropped")
+        while len(self._gone_ids) > MAX_GONE_IDS:
+            del self._gone_ids[next(iter(self._gone_ids))]
         if self._by_ep.pop(peer._ep, None) is None and peer._ep < 0:
             return  # forgotten already
         if self._by_tag.get(peer._rx_tag) is peer:
@@ -897,11 +906,14 @@ class UcxAgent:
             self._in_events = False
 
     def _events(self, drained: Any) -> None:
+        """Account one drained batch: what arrived (puts that completed, DONEs
+        that landed, messages) first, then the endpoints that failed.  A part
+        that arrived before its sender's endpoint failed binds its receive to
+        that sender, so the failure fails the receive at once; taking the
+        failure first would leave an unbound receive waiting for its deadline
+        on a sender that is gone (a DONE from a peer already dropped: see
+        ``Expectations.on_landed``)."""
         results, failures, messages, landed = drained or self._engine.drain()
-        for ep, status in failures:
-            peer = self._by_ep.get(ep)
-            if peer is not None:
-                self._peer_gone(peer, ucs_error(status, f"peer {peer.name[:8]} gone"))
         for op, status in results:
             entry = self._ops.pop(op, None)
             if entry is None:
@@ -916,9 +928,12 @@ class UcxAgent:
             now = time.monotonic()
             for token, _l0, _l1, nbytes, sender, layers, complete in landed:
                 peer = self._peers.get(sender)
+                gone = None
                 if peer is not None:
                     peer._last_heard = now
-                self._expectations.on_landed(token, nbytes, peer, layers, complete)
+                else:
+                    gone = self._gone_ids.get(sender)
+                self._expectations.on_landed(token, nbytes, peer, layers, complete, gone)
         for raw in messages:
             try:
                 m = decode_message(raw)
@@ -929,6 +944,10 @@ class UcxAgent:
                 self._counts["dropped_malformed"] += 1
                 continue  # a malformed message from a peer is dropped
             self._dispatch(m)
+        for ep, status in failures:
+            peer = self._by_ep.get(ep)
+            if peer is not None:
+                self._peer_gone(peer, ucs_error(status, f"peer {peer.name[:8]} gone"))
 
     def _put_done(self, h: TransferHandle, status: int) -> None:
         peer = h.owner if isinstance(h.owner, UcxPeer) else None

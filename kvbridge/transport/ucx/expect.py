@@ -311,12 +311,20 @@ class Expectations:
         self._account(ex, self._ledger.mark(ex, l0, l1))
 
     def on_landed(
-        self, token: int, nbytes: int, peer: UcxPeer | None, layers: int, complete: bool
+        self,
+        token: int,
+        nbytes: int,
+        peer: UcxPeer | None,
+        layers: int,
+        complete: bool,
+        gone: KVBridgeError | None = None,
     ) -> None:
         """A DONE landed in the ledger (already checked there: an expected
         request, its tokens, layers inside its range, its peer); ``layers``
         had landed then; ``complete``: every layer of the expectation has
-        (and the ledger forgot it)."""
+        (and the ledger forgot it).  ``gone``: the sender was dropped before
+        this was drained (why): an incomplete receive it binds fails with
+        that, as one bound to it did when it was dropped."""
         if complete:
             # the path of every small transfer: unlink, then resolve with the
             # stats, no other checks (the handle and its expectation no longer
@@ -335,6 +343,10 @@ class Expectations:
             return
         h = ex.handle
         if h.settled:
+            return
+        if gone is not None and ex.peer is None:
+            h.fail(gone)
+            self.drop(ex)
             return
         if ex.peer is None:
             ex.peer = peer
