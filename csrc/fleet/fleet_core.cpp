@@ -620,12 +620,24 @@ void FleetCore::hold(int slot, int held) {
     if (nd.prev != kNil) __builtin_prefetch(&nodes_[nd.prev]);
     if (nd.next != kNil) __builtin_prefetch(&nodes_[nd.next]);
   }
+  // each to the newest end, in order; a run of them already adjacent in the
+  // list (a prefix touched together before) moves as one block, which leaves
+  // the order moving them one by one would
   Engine& e = engines_[slot];
-  for (int i = 0; i < held; ++i) {
-    uint32_t node = held_nodes_[i];
-    if (node == e.tail) continue;
-    unlink(e, node);
-    link_back(e, node);
+  for (int i = 0; i < held;) {
+    uint32_t first = held_nodes_[i], last = first;
+    int j = i + 1;
+    while (j < held && nodes_[last].next == held_nodes_[j]) last = held_nodes_[j++];
+    i = j;
+    if (last == e.tail) continue;  // already the newest, in order
+    Node& f = nodes_[first];
+    Node& l = nodes_[last];
+    if (f.prev != kNil) nodes_[f.prev].next = l.next; else e.head = l.next;
+    nodes_[l.next].prev = f.prev;
+    nodes_[e.tail].next = first;
+    f.prev = e.tail;
+    l.next = kNil;
+    e.tail = last;
   }
   for (int i = held; i < n; ++i) {
     uint32_t& r = key_rows_[i];
