@@ -43,6 +43,13 @@ def run(load: str, via: str, repeats: int, tokens: int) -> None:
             tokens,
         )
         wall = time.perf_counter() - t0
+        # the receiver's frame-buffer pool (a private part, read for this count only)
+        pool = (
+            getattr(getattr(md_b._decode, "tcp", None), "_bufpool", None) if via == "tcp" else None
+        )
+        hits = getattr(pool, "hits", None)
+        if hits is not None:
+            print(f"receive buffers: {hits} of {hits + pool.misses} gets from the pool")
     finally:
         pre_b.close()
         md_b.close()
