@@ -174,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
                                        "p99_us": _pct(ns, 0.99)}  # fmt: skip
                 row = {"placement": placement, "transport": via, "load": load,
                        "goodput_mb_s": mb, "calls": calls}  # fmt: skip
+                if res.get("resent"):
+                    row["resent"] = res["resent"]
+                    print(f"# goodput transfers (chunks resent, wire bytes): {res['resent']}")
                 if res.get("cpu"):
                     row["cpu_s"] = res["cpu"]
                     print(f"# CPU seconds by thread over the goodput phase: {res['cpu']}")

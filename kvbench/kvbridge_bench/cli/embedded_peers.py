@@ -189,6 +189,7 @@ class Prefill:
         self.sent: dict[str, float] = {}
         self.done: dict[str, tuple[float, bool]] = {}  # rid -> (seconds, ok)
         self.errors: list[str] = []
+        self.resent: list[tuple[int, int]] = []
 
     def hook(self, i: int) -> None:
         if self.lw is not None:
@@ -208,6 +209,8 @@ class Prefill:
         now = time.perf_counter()
         for d in ev.sent:
             self.done[d.request_id] = (now - self.sent[d.request_id], True)
+            if d.request_id.startswith("g"):  # the goodput transfers: resent chunks, wire bytes
+                self.resent.append((int(d.stats.retries), int(d.stats.wire_bytes)))
         for f in ev.failed:
             self.done[f.request_id] = (now - self.sent[f.request_id], False)
             if not isinstance(f.error, Cancelled):
@@ -370,6 +373,7 @@ def inproc_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
                 result["cpu"]["wall"] = round(time.perf_counter() - t0, 3)
             result["calls"] = timer.ns
             result["errors"] = pre.errors
+            result["resent"] = pre.resent
         finally:
             pre_b.close()
             md_b.close()
@@ -468,6 +472,7 @@ def prefill_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, 
             b.close()
         result["calls"] = timer.ns
         result["errors"] = pre.errors
+        result["resent"] = pre.resent
         conn.send(("result", result))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
