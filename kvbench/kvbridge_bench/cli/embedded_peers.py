@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 from kvbridge import KVLayout, PagedKVCache
 from kvbridge.bridge import PeerConfig
 from kvbridge.bridge.sync import SyncBridge
+from kvbridge.errors import Cancelled
 from kvbridge.layout import DType
 
 # SmolLM2-135M's KV: 30 layers, 3 KV heads of 64, bf16, 16-token pages
@@ -63,11 +65,41 @@ def run_load(kind: str, seconds: float, slices: int, hook: Callable[[int], None]
             hook(i)
 
 
+def calibrate_control(target_us: float = 10.0) -> Callable[[], None]:
+    """A pure-Python function that takes ``target_us`` back to back (the
+    median of warm runs here): timed at the same points of the step as the
+    kvbridge calls, it shows what that much Python costs there (a thread
+    that just woke from a sleep or ran a native load runs cold)."""
+
+    def spin(k: int) -> None:
+        x = 0
+        for j in range(k):
+            x += j
+
+    k = 100
+    for _ in range(20):
+        runs = []
+        for _ in range(51):
+            t0 = time.perf_counter_ns()
+            spin(k)
+            runs.append(time.perf_counter_ns() - t0)
+        med = sorted(runs)[25] / 1e3
+        if abs(med - target_us) < 0.05 * target_us:
+            break
+        k = max(1, int(k * target_us / med))
+    return lambda: spin(k)
+
+
 class Timer:
-    """Per-call durations (ns) by call name."""
+    """Per-call durations (ns) by call name; ``control`` is timed beside the
+    calls (``calibrate_control``)."""
 
     def __init__(self) -> None:
         self.ns: dict[str, list[int]] = {}
+        self.control = calibrate_control()
+
+    def tick(self) -> None:
+        self("control", self.control)
 
     def __call__(self, name: str, fn: Callable[..., Any], *a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter_ns()
@@ -94,6 +126,46 @@ class Step:
             time.sleep(left)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by
+    group: the engine thread, each bridge's loop thread, the TCP sender's and
+    receiver's worker threads, the rest (UCX's progress threads, the pack
+    core's, numpy's)."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = names.get(int(tid)) or raw[raw.index("(") + 1 : raw.rindex(")")]
+        fields = raw[raw.rindex(")") + 2 :].split()
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        if int(tid) == os.getpid():
+            group = "engine"
+        elif name.startswith("kvbridge-"):
+            group = "loop " + name[len("kvbridge-") :]
+        elif name.startswith(("kvb-tx", "kvb-rx")):
+            group = name[:6] + " workers"
+        else:
+            group = "other"
+        out[group] = out.get(group, 0.0) + cpu
+    return out
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}
+
+
+def _switch(cfg: dict[str, Any]) -> None:
+    if cfg.get("switch_ms"):
+        sys.setswitchinterval(float(cfg["switch_ms"]) / 1e3)
+
+
 def _cache(pages: int, fill: bool) -> PagedKVCache:
     return PagedKVCache.allocate(SMOL, pages, fill="random" if fill else None, seed=3)
 
@@ -116,6 +188,8 @@ class Prefill:
         self.lw: str | None = None  # the layer-wise send being computed
         self.sent: dict[str, float] = {}
         self.done: dict[str, tuple[float, bool]] = {}  # rid -> (seconds, ok)
+        self.errors: list[str] = []
+        self.resent: list[tuple[int, int]] = []
 
     def hook(self, i: int) -> None:
         if self.lw is not None:
@@ -130,12 +204,17 @@ class Prefill:
             self.lw = rid
 
     def poll(self) -> None:
+        self.t.tick()
         ev = self.t("poll", self.b.poll)
         now = time.perf_counter()
         for d in ev.sent:
             self.done[d.request_id] = (now - self.sent[d.request_id], True)
+            if d.request_id.startswith("g"):  # the goodput transfers: resent chunks, wire bytes
+                self.resent.append((int(d.stats.retries), int(d.stats.wire_bytes)))
         for f in ev.failed:
             self.done[f.request_id] = (now - self.sent[f.request_id], False)
+            if not isinstance(f.error, Cancelled):
+                self.errors.append(f"{f.request_id}: {type(f.error).__name__}: {f.error}")
 
 
 def _pages(i: int, n_pages: int, total: int) -> np.ndarray:
@@ -237,11 +316,12 @@ class Decode:
         )
 
     def poll(self) -> None:
+        self.t.tick()
         ev = self.t("poll", self.b.poll)
         self.received += len(ev.received)
 
 
-def _bridges(
+def make_pair(
     via: str, src_pages: int, dst_pages: int
 ) -> tuple[SyncBridge, SyncBridge, PagedKVCache, PagedKVCache]:
     dst = _cache(dst_pages, False)
@@ -262,10 +342,11 @@ def inproc_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
     load and calls both (the decode's expect and poll, the prefill's send,
     layers_ready, renew_lease, cancel and poll)."""
     _setup_env(env)
+    _switch(cfg)
     try:
         via = cfg["via"]
         pages = SMOL.pages_for(cfg["tokens"]) + 8
-        pre_b, md_b, _, _ = _bridges(via, pages, pages)
+        pre_b, md_b, _, _ = make_pair(via, pages, pages)
         timer = Timer()
         dec = Decode(md_b, via, timer, pages)
         pre = Prefill(pre_b, "d", via, timer)
@@ -284,10 +365,15 @@ def inproc_main(conn: Any, env: dict[str, str], cfg: dict[str, Any]) -> None:
                 drive_calls(pre, want, got, dec.poll, step, cfg["requests"],
                             cfg["call_tokens"], pages, cfg["cancel_every"])  # fmt: skip
             if cfg["phase"] in ("goodput", "all"):
+                cpu0, t0 = thread_cpu(), time.perf_counter()
                 result["seconds"] = drive_goodput(
                     pre, want, got, dec.poll, step, cfg["repeats"], cfg["tokens"]
                 )
+                result["cpu"] = _cpu_delta(cpu0, thread_cpu())
+                result["cpu"]["wall"] = round(time.perf_counter() - t0, 3)
             result["calls"] = timer.ns
+            result["errors"] = pre.errors
+            result["resent"] = pre.resent
         finally:
             pre_b.close()
             md_b.close()
@@ -300,6 +386,7 @@ def decode_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, A
     """The decode process: its bridge, and an engine thread that steps,
     expecting what the prefill asks for (through ``peer_conn``)."""
     _setup_env(env)
+    _switch(cfg)
     try:
         via = cfg["via"]
         pages = SMOL.pages_for(cfg["tokens"]) + 8
@@ -343,6 +430,7 @@ def prefill_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, 
     and an engine thread that steps and sends; tickets come through
     ``peer_conn`` (the decode process)."""
     _setup_env(env)
+    _switch(cfg)
     try:
         via = cfg["via"]
         pages = SMOL.pages_for(cfg["tokens"]) + 8
@@ -383,6 +471,8 @@ def prefill_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, 
             peer_conn.send(("stop",))
             b.close()
         result["calls"] = timer.ns
+        result["errors"] = pre.errors
+        result["resent"] = pre.resent
         conn.send(("result", result))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -441,14 +531,22 @@ def nixl_initiator_main(
         agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
         md, remote_base = peer_conn.recv()[1]
         other = agent.add_remote_agent(md)
-        local_dl = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", agent.get_xfer_descs(_descs(buf.ctypes.data, pages), "DRAM")
-        )
-        remote_dl = agent.prep_xfer_dlist(
-            other, agent.get_xfer_descs(_descs(remote_base, pages), "DRAM")
-        )
-        timer = Timer()
         n_pages = SMOL.pages_for(cfg["call_tokens"])
+        one = cfg["descs"] == "one"
+        req_bytes = n_pages * SMOL.bytes_per_page
+        slots = max(1, buf.nbytes // req_bytes)
+
+        def descs(base: int) -> np.ndarray:
+            if one:  # the request's KV in one contiguous region: one descriptor
+                rows = [(base + k * req_bytes, req_bytes, 0) for k in range(slots)]
+                return np.array(rows, dtype=np.uint64)
+            return _descs(base, pages)
+
+        local_dl = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", agent.get_xfer_descs(descs(buf.ctypes.data), "DRAM")
+        )
+        remote_dl = agent.prep_xfer_dlist(other, agent.get_xfer_descs(descs(remote_base), "DRAM"))
+        timer = Timer()
         step = Step(cfg["load"], cfg["step_ms"], cfg["share"])
         done = 0
         live: list[Any] = []
@@ -464,14 +562,19 @@ def nixl_initiator_main(
                     done += 1
                 elif state != "PROC":
                     raise RuntimeError(f"NIXL transfer state {state}")
+            timer.tick()
             if not live and seq < cfg["requests"]:
                 first = (seq * n_pages) % max(1, pages - n_pages)
-                idx = [
-                    (layer * 2 + kv) * pages + first + p
-                    for layer in range(SMOL.num_layers)
-                    for kv in range(2)
-                    for p in range(n_pages)
-                ]
+                idx = (
+                    [seq % slots]
+                    if one
+                    else [
+                        (layer * 2 + kv) * pages + first + p
+                        for layer in range(SMOL.num_layers)
+                        for kv in range(2)
+                        for p in range(n_pages)
+                    ]
+                )
 
                 def post() -> Any:
                     h = agent.make_prepped_xfer(
