@@ -239,3 +239,14 @@ def test_a_fleet_without_relays_serves_every_request_on_its_main_decodes() -> No
     res = run_fleet(p, Fleet(2, 0, 2), "pdd", 2.0, 30.0, mix=mix, warmup_frac=0.0)
     rs = res.outcome.requests
     assert rs and all(r.pipeline == "P-MD" and math.isfinite(r.t_done) for r in rs)
+
+
+def test_cli_planner_json(capfd, tmp_path) -> None:
+    """The planner on one small fleet: its figures, the parameters with their
+    sources, and the two plots."""
+    args = ["plan", "--rate", "1", "--duration", "60", "--fleet", "2,1,2", "--no-search"]
+    assert bench_main([*args, "--out", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capfd.readouterr().out)
+    assert doc["cheapest"]["mains"] == 2 and doc["ttft_p50"]["pdd"] > 0
+    assert all(row["source"] for row in doc["parameters"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bathtub.png", "ttft_cdf.png"]

@@ -240,6 +240,7 @@ def paper_figures(
         "cdf": {k: sorted(r.ttfts()) for k, r in runs.items()},
         "requests": {k: len(r.measured) for k, r in runs.items()},
         "sim_seconds": sim_s,
+        "parameters": [{"key": k, "value": v, "source": src} for k, v, src in p.rows()],
     }
     return out
 
@@ -446,6 +447,7 @@ def _planner(args: argparse.Namespace) -> int:
         },
         "bathtub": tub,
         "sim_seconds": time.perf_counter() - t0,
+        "parameters": [{"key": k, "value": v, "source": src} for k, v, src in p.rows()],
     }  # fmt: skip
     if not args.no_plots:
         f["plots"] = write_plots(Path(args.out), f["cdf"], tub, sla)
