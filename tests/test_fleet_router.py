@@ -372,3 +372,51 @@ def test_decisions_equal_the_python_router_they_replaced(seed: int) -> None:
                 assert new.eligible(role) == ref.eligible(role)
             assert _state(new) == _ref_state(ref)
     assert _state(new) == _ref_state(ref)
+
+
+def test_decisions_equal_the_python_router_past_64_and_128_engines() -> None:
+    """The same comparison while the fleet grows past 64 and 128 engines
+    (the core's bit sets widen with the index already full of pages) and
+    shrinks again: routes, re-routes, eligible engines, loads, LRU orders."""
+    rng = random.Random(7)
+    cfg = FleetConfig(page_tokens=PT, load_factor=1.2, max_pages_per_engine=50)
+    new = FleetRouter(Router(_layout(), RouterConfig(ttft_target_s=0.4)), cfg)
+    ref = RefRouter(Router(_layout(), RouterConfig(ttft_target_s=0.4)), cfg)
+    bases = [[rng.randrange(40) for _ in range(10 * PT)] for _ in range(8)]
+
+    def apply(change: ViewChange) -> None:
+        got, want = new.apply(change), ref.apply(change)
+        assert [(r.request_id, r.stage, r.engine) for r in got] == [
+            (r.request_id, r.stage, r.engine) for r in want
+        ]
+
+    def check() -> None:
+        for role in (Role.PREFILL, Role.RELAY, Role.MAIN):
+            assert new.eligible(role) == ref.eligible(role)
+        assert _state(new) == _ref_state(ref)
+
+    inflight: list[str] = []
+    k = 0
+    for wave in range(4):  # 40 engines a wave: 40, 80, 120, 160
+        for i in range(40):
+            role = (Role.PREFILL, Role.MAIN, Role.MAIN, Role.RELAY)[i % 4]
+            eid = f"{role.value[0]}{wave}-{i}"
+            apply(ViewChange(eid, rec(eid, role, queued=rng.randrange(0, 200)), None))
+        for _ in range(150):
+            k += 1
+            toks = rng.choice(bases)[: rng.randrange(PT, 10 * PT)] + [rng.randrange(40)] * PT
+            session = f"s{rng.randrange(10)}" if rng.random() < 0.5 else None
+            got = new.route(f"q{k}", toks, 50, session=session)
+            want = ref.route(f"q{k}", toks, 50, session=session)
+            assert (got.prefill, got.relay, got.main, got.matched_tokens, got.decision) == (
+                want.prefill, want.relay, want.main, want.matched_tokens, want.decision
+            )  # fmt: skip
+            inflight.append(got.request_id)
+            if len(inflight) > 30:
+                rid = inflight.pop(rng.randrange(len(inflight)))
+                new.finish(rid)
+                ref.finish(rid)
+        check()
+    for eid in sorted(ref._engines)[::2]:  # half the fleet leaves
+        apply(ViewChange(eid, None, ref._engines[eid].record))
+    check()

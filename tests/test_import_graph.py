@@ -54,7 +54,7 @@ LAYERS: list[tuple[set[str], bool]] = [
 # The bench's parts, lowest first (the same rules among themselves).
 BENCH_LAYERS: list[tuple[set[str], bool]] = [
     ({"reference", "sim"}, True),  # the reference engine, workloads, the emulator
-    ({"demo", "cli"}, True),  # programs
+    ({"demo", "cli", "plan"}, True),  # programs (plan: the fleet simulator)
 ]
 
 # IO-free parts: no sockets, no event loop, no threads.

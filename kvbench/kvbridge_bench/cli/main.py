@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "wan": "goodput through the packet-level WAN emulator vs the line rate and one TCP stream",
     "transfer": "TCP transfer goodput vs raw sockets; small-transfer latency behind a large one",
     "embedded": "kvbridge inside a busy engine: call times beside NIXL's, goodput by engine load",
+    "plan": "fleet simulator and capacity planner on kvbridge's decision code (docs/plan.md)",
 }
 
 
