@@ -93,6 +93,7 @@ asan:
 	  -DKVBRIDGE_BUILD_PYTHON=OFF -DKVBRIDGE_ASAN=ON -DKVBRIDGE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build/asan
 	ASAN_OPTIONS=detect_leaks=1 ./build/asan/test_pack_core
+	ASAN_OPTIONS=detect_leaks=1 ./build/asan/test_fleet_core
 
 # Build kvbridge._core next to the sources, for PYTHONPATH=. runs with another
 # interpreter that has nanobind (make inplace PY=/path/to/python).

@@ -187,6 +187,10 @@ def test_fleet_routes_by_prefix_and_fails_over(fleet: dict[str, Any]) -> None:
             moved = {md: after[md] - before[md] for md in after}
             main = rec["main"]
             other = "md1" if main == "md0" else "md0"
+            print(
+                f"{user}: {len(prompt)} prompt tokens to {main}, which received "
+                f"{moved[main]:.0f} B of the prompt's {len(prompt) * BYTES_PER_TOKEN} B of KV"
+            )
             assert moved[other] == 0, moved
             if turn == 0:
                 where[sess] = main

@@ -349,15 +349,24 @@ uint32_t FleetCore::new_row(const Key& k) {
 
 void FleetCore::unlink(Engine& e, uint32_t i) {
   Node& n = nodes_[i];
-  if (n.prev != kNil) nodes_[n.prev].next = n.next; else e.head = n.next;
-  if (n.next != kNil) nodes_[n.next].prev = n.prev; else e.tail = n.prev;
+  if (n.prev != kNil)
+    nodes_[n.prev].next = n.next;
+  else
+    e.head = n.next;
+  if (n.next != kNil)
+    nodes_[n.next].prev = n.prev;
+  else
+    e.tail = n.prev;
 }
 
 void FleetCore::link_back(Engine& e, uint32_t i) {
   Node& n = nodes_[i];
   n.prev = e.tail;
   n.next = kNil;
-  if (e.tail != kNil) nodes_[e.tail].next = i; else e.head = i;
+  if (e.tail != kNil)
+    nodes_[e.tail].next = i;
+  else
+    e.head = i;
   e.tail = i;
 }
 
@@ -445,7 +454,10 @@ int FleetCore::depth(int slot) const {
   int lo = 0, hi = nlevels_;  // levels are nested: the last one holding the bit
   while (lo < hi) {
     int mid = (lo + hi) / 2;
-    if (levels_[size_t(mid) * width_ + w] & bit) lo = mid + 1; else hi = mid;
+    if (levels_[size_t(mid) * width_ + w] & bit)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -584,7 +596,10 @@ void FleetCore::choose(int kept, int64_t page_tokens, int out[4]) {
       const uint64_t* prev = lv - width_;
       for (size_t w = 0; w < width_; ++w) any |= (lv[w] = prev[w] & b[w]) != 0;
     }
-    if (any) ++nlevels_; else open = false;
+    if (any)
+      ++nlevels_;
+    else
+      open = false;
   }
   out[0] = pick_main(kept, &out[1]);
   if (out[0] < 0) {
@@ -632,7 +647,10 @@ void FleetCore::hold(int slot, int held) {
     if (last == e.tail) continue;  // already the newest, in order
     Node& f = nodes_[first];
     Node& l = nodes_[last];
-    if (f.prev != kNil) nodes_[f.prev].next = l.next; else e.head = l.next;
+    if (f.prev != kNil)
+      nodes_[f.prev].next = l.next;
+    else
+      e.head = l.next;
     nodes_[l.next].prev = f.prev;
     nodes_[e.tail].next = first;
     f.prev = e.tail;

@@ -36,6 +36,8 @@ import multiprocessing as mp
 import statistics
 from typing import Any
 
+from kvbridge.errors import KVBridgeError, KVBridgeTimeout
+
 from . import embedded_peers as ep
 from .output import emit_json
 
@@ -70,10 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _recv(conn: Any, what: str, timeout: float = 600) -> Any:
     if not conn.poll(timeout):
-        raise RuntimeError(f"{what}: no answer in {timeout} s")
+        raise KVBridgeTimeout(f"{what}: no answer in {timeout} s")
     msg = conn.recv()
     if msg[0] == "error":
-        raise RuntimeError(f"{what}: {msg[1]}")
+        raise KVBridgeError(f"{what}: {msg[1]}")
     return msg[1]
 
 

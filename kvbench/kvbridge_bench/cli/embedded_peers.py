@@ -31,7 +31,7 @@ import numpy as np
 from kvbridge import KVLayout, PagedKVCache
 from kvbridge.bridge import PeerConfig
 from kvbridge.bridge.sync import SyncBridge
-from kvbridge.errors import Cancelled
+from kvbridge.errors import Cancelled, KVBridgeError
 from kvbridge.layout import DType
 
 # SmolLM2-135M's KV: 30 layers, 3 KV heads of 64, bf16, 16-token pages
@@ -453,7 +453,7 @@ def prefill_main(conn: Any, peer_conn: Any, env: dict[str, str], cfg: dict[str, 
                 return None
             msg = peer_conn.recv()
             if msg[0] == "error":
-                raise RuntimeError(f"decode process: {msg[1]}")
+                raise KVBridgeError(f"decode process: {msg[1]}")
             return msg[1], msg[2]
 
         step = Step(cfg["load"] if cfg["load_on"] in ("both", "prefill") else "sleep",
@@ -561,7 +561,7 @@ def nixl_initiator_main(
                     live.remove(h)
                     done += 1
                 elif state != "PROC":
-                    raise RuntimeError(f"NIXL transfer state {state}")
+                    raise KVBridgeError(f"NIXL transfer state {state}")
             timer.tick()
             if not live and seq < cfg["requests"]:
                 first = (seq * n_pages) % max(1, pages - n_pages)
@@ -581,7 +581,7 @@ def nixl_initiator_main(
                         "WRITE", local_dl, idx, remote_dl, idx, f"r{seq}".encode()
                     )
                     if agent.transfer(h) not in ("PROC", "DONE"):
-                        raise RuntimeError("NIXL transfer failed to post")
+                        raise KVBridgeError("NIXL transfer failed to post")
                     return h
 
                 live.append(timer("make_prepped_xfer+transfer", post))
