@@ -56,6 +56,7 @@ void register_fleet(nb::module_& m) {
              return nb::make_tuple(out[0], out[1], out[2], out[3]);
            })
       .def("commit", &FleetCore::commit)
+      .def("prefilled", &FleetCore::prefilled)
       .def("finish", &FleetCore::finish)
       .def("load", &FleetCore::load)
       .def("least", &FleetCore::least)

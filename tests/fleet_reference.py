@@ -1,7 +1,8 @@
 """The pure-Python fleet router as it was before its state and choices moved
 to the compiled core (kvbridge/fleet/core.py at commit 73237c8, unchanged
-below this paragraph): tests/test_fleet_router.py holds the compiled one to
-every decision of this one.
+below this paragraph but for ``prefilled``, added later in both with its
+effect on ``finish`` and on a prefill's re-routes): tests/test_fleet_router.py
+holds the compiled one to every decision of this one.
 
 The fleet router core, sans-IO.
 
@@ -155,6 +156,7 @@ class FleetRouter:
         self._sessions: dict[str, str] = {}
         self._inflight: dict[str, FleetRoute] = {}
         self._routed: dict[str, int] = {}  # request -> its prompt tokens
+        self._prefilled: set[str] = set()  # requests whose prompt left their prefill's queue
 
     # --- the view's feed ----------------------------------------------------
     def apply(self, change: ViewChange) -> list[Reroute]:
@@ -214,12 +216,27 @@ class FleetRouter:
         self._begin(route, n, hashes, main_pages, prefill_pages, session)
         return route
 
+    def prefilled(self, request_id: str) -> None:
+        """The request's prefill ended: its prompt tokens leave its prefill's
+        queued work (added after commit 73237c8, as the compiled core has it)."""
+        route = self._inflight.get(request_id)
+        if route is None or request_id in self._prefilled:
+            return
+        self._prefilled.add(request_id)
+        eng = self._engines.get(route.prefill)
+        n = self._routed.get(request_id, 0)
+        if eng is not None and n:
+            self._load(eng, 0, -n)
+
     def finish(self, request_id: str, *, failed_on: str | None = None) -> None:
         """The request ended; ``failed_on``: the engine it failed on, if any."""
         route = self._inflight.pop(request_id, None)
         if route is None:
             return
         n = self._routed.pop(request_id, 0)
+        if request_id in self._prefilled:
+            self._prefilled.discard(request_id)
+            n = 0
         for eid in {route.prefill, route.main, route.relay} - {None}:
             eng = self._engines.get(eid)  # type: ignore[arg-type]
             if eng is None:
@@ -489,6 +506,8 @@ class FleetRouter:
                 (new.engine_id, r.main) if stage == "prefill" else (r.prefill, new.engine_id)
             )
             self._inflight[rid] = FleetRoute(rid, prefill, r.relay, main, 0, r.decision)
+            if stage == "prefill":
+                self._prefilled.discard(rid)
             self._load(new, 1, self._routed.get(rid, 0) if stage == "prefill" else 0)
             out.append(Reroute(rid, stage, new.engine_id))
         return out

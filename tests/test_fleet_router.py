@@ -81,6 +81,61 @@ def test_prefill_by_queued_work() -> None:
     assert fr.route("x", list(range(32)), 1).prefill == "idle"
 
 
+def test_a_sessions_next_turn_keeps_its_prefill_once_the_last_prefill_is_done() -> None:
+    """Two sessions on two prefills. A's first turn has been prefilled and is
+    still decoding, B's first turn has ended; A's second turn extends A's
+    first prompt. Its prefill holds that prompt, and with the prompt no longer
+    queued there (``prefilled``) the turn stays on it. Counting the prompt as
+    queued until ``finish`` (the behaviour before ``prefilled``) sent it to
+    B's idle prefill, where its prompt is cold: A's own prefill was "busy"
+    with A's previous turn by more than the pages it holds (4 tokens of a
+    partial page past 96 held)."""
+    fr = fleet(n_p=2, n_r=0, n_m=2)
+    a1 = [1000 + i for i in range(100)]
+    first = fr.route("a1", a1, 500, session="A")
+    b1 = fr.route("b1", [2000 + i for i in range(100)], 5, session="B")
+    assert b1.prefill != first.prefill  # A's prompt queued on its prefill
+    fr.prefilled("a1")
+    fr.prefilled("b1")
+    fr.finish("b1")  # B's turn ended; A's first turn is still decoding
+    a2 = fr.route("a2", a1 + [3000 + i for i in range(40)], 50, session="A")
+    assert a2.prefill == first.prefill
+    assert fr.inflight == 2
+
+
+def test_prefilled_releases_the_queue_once_and_finish_the_rest() -> None:
+    fr = fleet(n_p=1, n_r=0, n_m=1)
+    core, p, m = fr._core, fr._slots["p0"], fr._slots["m0"]
+    fr.route("x", list(range(64)), 10)
+    fr.route("y", list(range(100, 132)), 10)
+    assert core.queued(p) == 96 and core.active(p) == 2 and core.active(m) == 2
+    fr.prefilled("x")
+    assert core.queued(p) == 32 and core.active(p) == 2  # still in flight
+    fr.prefilled("x")  # idempotent
+    fr.prefilled("nobody")  # not in flight: ignored, as finish ignores it
+    assert core.queued(p) == 32 and fr.inflight == 2
+    fr.finish("x")  # the rest: in flight on the prefill and the main decode
+    assert core.queued(p) == 32 and core.active(p) == 1 and core.active(m) == 1
+    fr.prefilled("x")  # finished: ignored
+    fr.finish("y")  # never reported prefilled: finish releases its queue
+    assert core.queued(p) == 0 and core.active(p) == 0 and core.active(m) == 0
+
+
+def test_a_prefilled_request_rerouted_to_another_prefill_is_queued_there() -> None:
+    fr = fleet(n_p=2, n_r=0, n_m=1)
+    r = fr.route("x", list(range(64)), 10)
+    fr.prefilled("x")
+    assert fr._core.queued(fr._slots[r.prefill]) == 0
+    (rp,) = fr.apply(ViewChange(r.prefill, None, None))
+    assert rp.stage == "prefill"
+    core, new = fr._core, fr._slots[rp.engine]
+    assert core.queued(new) == 64  # to be prefilled again there
+    fr.prefilled("x")
+    assert core.queued(new) == 0 and core.active(new) == 1
+    fr.finish("x")
+    assert core.queued(new) == 0 and core.active(new) == 0
+
+
 def test_pipeline_is_the_routers() -> None:
     layout = _layout()
     fr = FleetRouter(Router(layout, RouterConfig(ttft_target_s=1e-9)), FleetConfig(page_tokens=PT))
@@ -277,7 +332,8 @@ def test_decisions_equal_the_python_router_they_replaced(seed: int) -> None:
     replaced decides (tests/fleet_reference.py, kept as it was), tie-breaks
     included: every route, re-route and refusal, the eligible engines, and
     each engine's load and its prefix index in LRU order, through random
-    traffic with sessions, failures and ejections, load reports with
+    traffic with sessions, prefills reported done (twice at times, and for
+    ids not in flight), failures and ejections, load reports with
     prefixes, restarts, engines leaving and joining, and small per-engine
     page limits (evictions). A fleet has relays or one engine serving relay
     and main (the old router's order of two relay-heap pushes in one request
@@ -347,6 +403,10 @@ def test_decisions_equal_the_python_router_they_replaced(seed: int) -> None:
                 want.prefill, want.relay, want.main, want.matched_tokens, want.decision
             )  # fmt: skip
             inflight.append(got.request_id)
+        elif op < 0.68 and inflight:  # a prefill ends (again, at times); the request stays
+            rid = rng.choice([*inflight, "gone"])
+            new.prefilled(rid)
+            ref.prefilled(rid)
         elif op < 0.85 and inflight:
             rid = inflight.pop(rng.randrange(len(inflight)))
             route = new._inflight[rid]
@@ -412,6 +472,10 @@ def test_decisions_equal_the_python_router_past_64_and_128_engines() -> None:
                 want.prefill, want.relay, want.main, want.matched_tokens, want.decision
             )  # fmt: skip
             inflight.append(got.request_id)
+            if rng.random() < 0.5:
+                rid = rng.choice(inflight)
+                new.prefilled(rid)
+                ref.prefilled(rid)
             if len(inflight) > 30:
                 rid = inflight.pop(rng.randrange(len(inflight)))
                 new.finish(rid)

@@ -684,6 +684,10 @@ void FleetCore::commit(int prefill, int main, int relay, int64_t tokens, int mai
   if (prefill != main) evict(prefill);
 }
 
+void FleetCore::prefilled(int prefill, int64_t tokens) {
+  if (prefill >= 0 && tokens != 0) load(prefill, 0, -tokens);
+}
+
 void FleetCore::finish(int prefill, int main, int relay, int64_t tokens) {
   if (prefill >= 0) load(prefill, -1, -tokens);
   if (main >= 0 && main != prefill) load(main, -1, 0);

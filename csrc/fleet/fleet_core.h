@@ -135,6 +135,10 @@ class FleetCore {
   // out: main slot (-1: none), its pages held, prefill slot (-1: none), its pages held
   void choose(int kept, int64_t page_tokens, int out[4]);
   void commit(int prefill, int main, int relay, int64_t tokens, int main_held, int prefill_held);
+  // a request's prefill ended: its prompt's `tokens` leave the prefill's
+  // queued work (its request stays in flight until `finish`, which then
+  // releases no tokens)
+  void prefilled(int prefill, int64_t tokens);
   void finish(int prefill, int main, int relay, int64_t tokens);
   void load(int slot, int64_t active, int64_t routed_tokens);
   int least(int role);  // -1: none

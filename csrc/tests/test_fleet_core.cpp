@@ -1,5 +1,5 @@
 // The fleet router's compiled core under AddressSanitizer + UBSan (`make
-// asan`): random membership, decisions, finishes, load reports with
+// asan`): random membership, decisions, prefills ended, finishes, load reports with
 // prefixes, ejections and removals, with per-engine page limits small enough
 // to evict and a fleet that grows past 64 and 128 engines (the bit sets
 // widen) and shrinks, with no memory error, leak or undefined behaviour;
@@ -87,6 +87,15 @@ void run(uint32_t seed, int64_t max_pages) {
       int64_t tokens = int64_t(keys.size()) * 16;
       core.commit(out[2], out[0], relay, tokens, out[1], out[3]);
       open.push_back(Open{out[2], out[0], relay, tokens});
+    } else if (op < 70 && !open.empty()) {  // a request's prefill ends
+      Open& o = open[pick(open.size())];
+      if (o.prefill >= 0 && o.tokens > 0) {
+        int64_t before = core.queued(o.prefill);
+        core.prefilled(o.prefill, o.tokens);
+        CHECK(core.queued(o.prefill) == before - o.tokens, "prefilled: queued %lld, was %lld",
+              (long long)core.queued(o.prefill), (long long)before);
+        o.tokens = 0;  // finish releases no tokens after it
+      }
     } else if (!open.empty()) {  // a request ends
       size_t at = pick(open.size());
       Open o = open[at];

@@ -1,7 +1,9 @@
 """The fleet router core, sans-IO.
 
 Fed by registry view changes (:meth:`FleetRouter.apply`), it chooses per
-request a prefill (least queued work, less what its own prefix cache holds),
+request a prefill (least queued work, less what its own prefix cache holds;
+a request's prompt is queued work on its prefill from ``route`` until
+``prefilled``, or ``finish`` when the caller does not report its prefill),
 the pipeline (``kvbridge.router.Router``: P-MD or P-RLD-MD), a relay when the
 pipeline has one (least load) and a main decode: the one holding the longest
 prefix of the request (the prefixes routed there, and those its load reports
@@ -89,6 +91,7 @@ class FleetRouter:
         self._sessions: dict[str, str] = {}
         self._inflight: dict[str, FleetRoute] = {}
         self._routed: dict[str, int] = {}  # request -> its prompt tokens
+        self._prefilled: set[str] = set()  # requests whose prompt left their prefill's queue
 
     # --- the view's feed ----------------------------------------------------
     def apply(self, change: ViewChange) -> list[Reroute]:
@@ -168,12 +171,30 @@ class FleetRouter:
             self._sessions[session] = main
         return route
 
+    def prefilled(self, request_id: str) -> None:
+        """The request's prefill ended: its prompt tokens leave its prefill's
+        queued work (the request stays in flight, on its prefill too, until
+        :meth:`finish`). Idempotent; an id not in flight is ignored, as
+        :meth:`finish` ignores it. A request re-routed to another prefill
+        (``Reroute`` stage ``"prefill"``) is queued there again until this
+        is called for it again."""
+        route = self._inflight.get(request_id)
+        if route is None or request_id in self._prefilled:
+            return
+        self._prefilled.add(request_id)
+        self._core.prefilled(self._slots.get(route.prefill, -1), self._routed.get(request_id, 0))
+
     def finish(self, request_id: str, *, failed_on: str | None = None) -> None:
-        """The request ended; ``failed_on``: the engine it failed on, if any."""
+        """The request ended; ``failed_on``: the engine it failed on, if any.
+        Releases its prompt tokens from its prefill's queued work unless
+        :meth:`prefilled` did."""
         route = self._inflight.pop(request_id, None)
         if route is None:
             return
         n = self._routed.pop(request_id, 0)
+        if self._prefilled and request_id in self._prefilled:
+            self._prefilled.discard(request_id)
+            n = 0
         slots = self._slots
         relay = route.relay
         self._core.finish(
@@ -250,6 +271,8 @@ class FleetRouter:
                 continue  # nothing to move it to: the caller fails the request
             prefill, main = (new, r.main) if stage == "prefill" else (r.prefill, new)
             self._inflight[rid] = FleetRoute(rid, prefill, r.relay, main, 0, r.decision)
+            if stage == "prefill":  # prefilled again there: queued there until then
+                self._prefilled.discard(rid)
             self._core.load(
                 self._slots[new], 1, self._routed.get(rid, 0) if stage == "prefill" else 0
             )

@@ -395,6 +395,14 @@ async def _run(cfg: DemoConfig, n_p: int, n_md: int, ttl_s: int, log: Any) -> Fl
                 )
             )
             calls.append(call)
+
+            def prefilled(c: asyncio.Future[Any]) -> None:
+                # the prefill's reply reports its prefill done: the prompt leaves
+                # its queued work while the request decodes (ignored once finished)
+                if not c.cancelled() and c.exception() is None:
+                    fr.prefilled(key)
+
+            call.add_done_callback(prefilled)
             done = asyncio.ensure_future(client.done[rid].wait())
             end = time.monotonic() + cfg.request_timeout_s
             failed_on = None

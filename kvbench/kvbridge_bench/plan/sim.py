@@ -828,6 +828,8 @@ class Simulation:
     def _prefilled(self, r: SimRequest, rt: Route, secs: float, hs: list[bytes]) -> None:
         now = self.loop.now
         r.t_prefill_end = now
+        if self.fleet is not None:  # the prompt leaves its prefill's queued work
+            self.fleet.prefilled(str(r.rid))
         core = self.p_cores[r.prefill]
         core.handle(PrefillDone(r.rid, r.computed, secs, now))
         radix = self.p_radix[r.prefill]

@@ -493,6 +493,10 @@ class DisaggProxy:
             },
         )
         async with self.session.post(f"{g.prefill.url}/v1/completions", json=body) as r:
+            if self.fleet is not None:
+                # its response came: the prefill is done with the prompt, which
+                # leaves its queued work while the request decodes
+                self.fleet.prefilled(tid)
             data = await r.json()
             if r.status != 200:
                 raise ProxyError(502, f"prefill: HTTP {r.status}: {data}")
