@@ -58,6 +58,7 @@ def _run(tree: str, calls: int) -> list[float]:
     out = subprocess.run(
         [sys.executable, "-S", "-c", CODE, str(calls)],
         env=env,
+        cwd=tree,  # "-c" puts the working directory first on the path: the tree's
         capture_output=True,
         text=True,
         check=True,
