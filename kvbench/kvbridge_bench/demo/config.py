@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import InvalidArgument
+from kvbridge.handoff.outputs import HandoffTimeouts
+from kvbridge.handoff.policy import HandoffPolicy
 from kvbridge.layout import KVLayout
+from kvbridge.pdd import PddConfig, RelayBudget
+from kvbridge.router import RouterConfig
 
 from ..reference.decoder import DecoderConfig
 from ..sim.trace import AgentTraceConfig
@@ -23,6 +27,15 @@ __all__ = ["PAPER", "DemoConfig"]
 # 1K output tokens, ~50 KB of KV per token, a 10-100 Gbit/s line between the
 # datacenters.  The decode step on the paper's decode chips is not given: 20 ms
 # is assumed (it only enters the ratio printed next to the demo's).
+# The demo's prefill's estimates before it measured anything: the line at 90%
+# of its rate (transfers under 1 MiB are mostly latency: they would read as a
+# slow line), a prefill of 3 ms a token plus 30 ms.
+BANDWIDTH_PRIOR_SHARE = 0.9
+BANDWIDTH_MIN_BYTES = 1 << 20
+PREFILL_PRIOR_TOKEN_S = 0.003
+PREFILL_PRIOR_BASE_S = 0.03
+
+
 @dataclass(frozen=True)
 class _Paper:
     input_tokens: int = 65536
@@ -196,6 +209,42 @@ class DemoConfig:
         if len(cpus) == 2:
             return cpus[1:]
         return cpus[1:2] if role == "rld" else cpus[2:]
+
+    def router_config(self, *, anomalous_filter: bool | None = None) -> RouterConfig:
+        """The router's settings of the demo's prefill (``anomalous_filter``:
+        another choice than the config's)."""
+        return RouterConfig(
+            ttft_target_s=self.ttft_target_s,
+            base_latency_s=self.wan_rtt_ms / 1e3,
+            min_relay_gain_s=self.min_relay_gain_s,
+            anomalous_filter=self.anomalous_filter
+            if anomalous_filter is None
+            else anomalous_filter,
+            anomalous_min_input_tokens=self.anomalous_min_input_tokens,
+            anomalous_max_output_tokens=self.anomalous_max_output_tokens,
+            anomalous_max_share=self.anomalous_max_share,
+            share_window=100,
+        )
+
+    def handoff_timeouts(self) -> HandoffTimeouts:
+        return HandoffTimeouts(
+            ack_timeout=self.handoff_ack_timeout_s,
+            max_retries=self.handoff_max_retries,
+            capped_wait=self.relay_fail_after_s,
+            relay_timeout=self.handoff_relay_timeout_s,
+        )
+
+    def pdd_config(self) -> PddConfig:
+        """The PDD core's settings of every role (each role uses its part)."""
+        return PddConfig(
+            handoff=HandoffPolicy(threshold=self.handoff_threshold),
+            budget=RelayBudget(
+                token_budget=self.relay_token_budget, min_budget=self.relay_min_budget
+            ),
+            timeouts=self.handoff_timeouts(),
+            relay_capacity=self.relay_capacity,
+            step_prior_s=self.relay_step_prior_s,
+        )
 
     def psk(self, identity: str) -> bytes:
         """The pre-shared key of one WAN peer (derived; a real deployment

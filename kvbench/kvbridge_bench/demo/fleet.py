@@ -39,9 +39,15 @@ from kvbridge.fleet import FleetConfig, FleetRouter
 from kvbridge.handoff.params import SamplingParams
 from kvbridge.registry import RegistryView, ViewChange
 from kvbridge.registry.etcd import EtcdOptions, EtcdWatcher
-from kvbridge.router import BandwidthEstimator, PrefillEstimator, Router, RouterConfig
+from kvbridge.router import BandwidthEstimator, PrefillEstimator, Router
 
-from .config import DemoConfig
+from .config import (
+    BANDWIDTH_MIN_BYTES,
+    BANDWIDTH_PRIOR_SHARE,
+    PREFILL_PRIOR_BASE_S,
+    PREFILL_PRIOR_TOKEN_S,
+    DemoConfig,
+)
 from .control import ControlClient
 from .driver import _check, _Client, build_sessions, cfg_tie, system_prompts
 from .lifecycle import cancel_on_signal, child_env, stop_processes
@@ -217,15 +223,11 @@ def _router(cfg: DemoConfig) -> Router:
     """The pipeline choice, as the reference demo's prefill makes it."""
     return Router(
         cfg.p_layout(),
-        RouterConfig(
-            ttft_target_s=cfg.ttft_target_s,
-            base_latency_s=cfg.wan_rtt_ms / 1e3,
-            min_relay_gain_s=cfg.min_relay_gain_s,
-            anomalous_filter=False,
-            share_window=100,
+        cfg.router_config(anomalous_filter=False),
+        BandwidthEstimator(
+            prior_bps=cfg.wan_rate_bps / 8 * BANDWIDTH_PRIOR_SHARE, min_bytes=BANDWIDTH_MIN_BYTES
         ),
-        BandwidthEstimator(prior_bps=cfg.wan_rate_bps / 8 * 0.9, min_bytes=1 << 20),
-        PrefillEstimator(prior_token_s=0.003, prior_base_s=0.03),
+        PrefillEstimator(prior_token_s=PREFILL_PRIOR_TOKEN_S, prior_base_s=PREFILL_PRIOR_BASE_S),
     )
 
 

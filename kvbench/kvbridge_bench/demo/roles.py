@@ -63,17 +63,21 @@ from kvbridge.handoff.driver import RequestSpec
 from kvbridge.handoff.engine import Engine
 from kvbridge.handoff.messages import Kind, Start, decode, encode
 from kvbridge.handoff.node import HandoffNode
-from kvbridge.handoff.outputs import HandoffTimeouts
 from kvbridge.handoff.params import SamplingParams
-from kvbridge.handoff.policy import HandoffPolicy
 from kvbridge.handoff.worker import EngineWorker
 from kvbridge.pack import PagedKVCache
-from kvbridge.pdd import Arrive, Finish, KVSent, PddConfig, PddCore, PrefillDone, RelayBudget, Route
+from kvbridge.pdd import Arrive, Finish, KVSent, PddCore, PrefillDone, Route
 from kvbridge.pdd.aio import run_main, run_relay
-from kvbridge.router import BandwidthEstimator, Pipeline, PrefillEstimator, Router, RouterConfig
+from kvbridge.router import BandwidthEstimator, Pipeline, PrefillEstimator, Router
 from kvbridge.transport.tcp.sender import TcpSender
 
-from .config import DemoConfig
+from .config import (
+    BANDWIDTH_MIN_BYTES,
+    BANDWIDTH_PRIOR_SHARE,
+    PREFILL_PRIOR_BASE_S,
+    PREFILL_PRIOR_TOKEN_S,
+    DemoConfig,
+)
 from .control import ControlClient, ControlServer
 from .engines import CachePages, LockedPages, Prefilled, PrefixPrefill, make_engine
 from .lifecycle import die_with_parent, exit_on_signal
@@ -97,26 +101,6 @@ def params_to(p: SamplingParams) -> dict[str, Any]:
         "max_new_tokens": p.max_new_tokens,
         "eos_token_id": p.eos_token_id,
     }
-
-
-def handoff_timeouts(cfg: DemoConfig) -> HandoffTimeouts:
-    return HandoffTimeouts(
-        ack_timeout=cfg.handoff_ack_timeout_s,
-        max_retries=cfg.handoff_max_retries,
-        capped_wait=cfg.relay_fail_after_s,
-        relay_timeout=cfg.handoff_relay_timeout_s,
-    )
-
-
-def pdd_config(cfg: DemoConfig) -> PddConfig:
-    """The PDD core's settings of every role (each role uses its part)."""
-    return PddConfig(
-        handoff=HandoffPolicy(threshold=cfg.handoff_threshold),
-        budget=RelayBudget(token_budget=cfg.relay_token_budget, min_budget=cfg.relay_min_budget),
-        timeouts=handoff_timeouts(cfg),
-        relay_capacity=cfg.relay_capacity,
-        step_prior_s=cfg.relay_step_prior_s,
-    )
 
 
 class _Role:
@@ -208,7 +192,7 @@ class MainDecode(_Role):
             cfg, self.layout, cfg.md_pages, CachePages(self.radix, self.allocator, self.lock)
         )
         self.worker = EngineWorker(self.engine, name="md")
-        self.core = PddCore(pdd_config(cfg))
+        self.core = PddCore(cfg.pdd_config())
         self.bridge = DecodeBridge(
             PagedKVCache(self.layout, self.engine.kv_cache),
             identity=self.identity,
@@ -455,7 +439,7 @@ class RelayDecode(_Role):
         await self.bridge.start()
         self.mds: dict[str, TcpSender] = {}  # handoff links, by main decode name
         # the relay's load, its seconds per step and every request's budget
-        self.core = PddCore(pdd_config(cfg))
+        self.core = PddCore(cfg.pdd_config())
         self.starts: dict[int, asyncio.Future[dict[str, Any]]] = {}
 
     async def teardown(self) -> None:
@@ -606,22 +590,17 @@ class Prefill(_Role):
         self.rld: ControlClient | None = None
         router = Router(
             self.layout,
-            RouterConfig(
-                ttft_target_s=cfg.ttft_target_s,
-                base_latency_s=cfg.wan_rtt_ms / 1e3,
-                min_relay_gain_s=cfg.min_relay_gain_s,
-                anomalous_filter=cfg.anomalous_filter,
-                anomalous_min_input_tokens=cfg.anomalous_min_input_tokens,
-                anomalous_max_output_tokens=cfg.anomalous_max_output_tokens,
-                anomalous_max_share=cfg.anomalous_max_share,
-                share_window=100,
+            cfg.router_config(),
+            BandwidthEstimator(
+                prior_bps=cfg.wan_rate_bps / 8 * BANDWIDTH_PRIOR_SHARE,
+                min_bytes=BANDWIDTH_MIN_BYTES,
             ),
-            # transfers under 1 MiB are mostly latency: they would read as a slow line
-            BandwidthEstimator(prior_bps=cfg.wan_rate_bps / 8 * 0.9, min_bytes=1 << 20),
-            PrefillEstimator(prior_token_s=0.003, prior_base_s=0.03),
+            PrefillEstimator(
+                prior_token_s=PREFILL_PRIOR_TOKEN_S, prior_base_s=PREFILL_PRIOR_BASE_S
+            ),
         )
         # the route, the dual-path destinations, the WAN's and the prefill's queues
-        self.core = PddCore(pdd_config(cfg), router)
+        self.core = PddCore(cfg.pdd_config(), router)
         self.pipeline = "pdd"
         self.prompts: dict[int, tuple[list[int], float]] = {}  # for PREFIX_FETCH
         self.warm_pins: list[Any] = []

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.handoff.outputs import HandoffTimeouts
-from kvbridge.handoff.policy import HandoffPolicy
-from kvbridge.pdd import PddConfig, RelayBudget
-from kvbridge.router import RouterConfig
-
-from ..demo.config import DemoConfig
+from ..demo.config import (
+    BANDWIDTH_MIN_BYTES,
+    BANDWIDTH_PRIOR_SHARE,
+    PREFILL_PRIOR_BASE_S,
+    PREFILL_PRIOR_TOKEN_S,
+    DemoConfig,
+)
 from ..demo.prompts import PromptBuilder
 from ..demo.report import percentile
 from ..reference.decoder import DecoderConfig
@@ -65,18 +66,7 @@ def demo_spec(p: Params) -> FleetSpec:
     )
     rate = cfg.wan_rate_bps / 8
     ratio = float(p["wan.wire_ratio"])
-    pdd = PddConfig(
-        handoff=HandoffPolicy(threshold=cfg.handoff_threshold),
-        budget=RelayBudget(token_budget=cfg.relay_token_budget, min_budget=cfg.relay_min_budget),
-        timeouts=HandoffTimeouts(
-            ack_timeout=cfg.handoff_ack_timeout_s,
-            max_retries=cfg.handoff_max_retries,
-            capped_wait=cfg.relay_fail_after_s,
-            relay_timeout=cfg.handoff_relay_timeout_s,
-        ),
-        relay_capacity=cfg.relay_capacity,
-        step_prior_s=cfg.relay_step_prior_s,
-    )
+    pdd = cfg.pdd_config()
     return FleetSpec(
         prefills=1,
         relays=1,
@@ -100,20 +90,11 @@ def demo_spec(p: Params) -> FleetSpec:
         md_pages=cfg.md_pages,
         chunk_tokens=0,
         shared_decode_cpu=True,
-        router=RouterConfig(
-            ttft_target_s=cfg.ttft_target_s,
-            base_latency_s=cfg.wan_rtt_ms / 1e3,
-            min_relay_gain_s=cfg.min_relay_gain_s,
-            anomalous_filter=cfg.anomalous_filter,
-            anomalous_min_input_tokens=cfg.anomalous_min_input_tokens,
-            anomalous_max_output_tokens=cfg.anomalous_max_output_tokens,
-            anomalous_max_share=cfg.anomalous_max_share,
-            share_window=100,
-        ),
-        bandwidth_prior=cfg.wan_rate_bps / 8 * 0.9,
-        bandwidth_min_bytes=1 << 20,
-        prefill_prior_token_s=0.003,
-        prefill_prior_base_s=0.03,
+        router=cfg.router_config(),
+        bandwidth_prior=cfg.wan_rate_bps / 8 * BANDWIDTH_PRIOR_SHARE,
+        bandwidth_min_bytes=BANDWIDTH_MIN_BYTES,
+        prefill_prior_token_s=PREFILL_PRIOR_TOKEN_S,
+        prefill_prior_base_s=PREFILL_PRIOR_BASE_S,
         pdd=pdd,
     )
 
