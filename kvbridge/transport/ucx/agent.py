@@ -934,20 +934,22 @@ class UcxAgent:
                 else:
                     gone = self._gone_ids.get(sender)
                 self._expectations.on_landed(token, nbytes, peer, layers, complete, gone)
-        for raw in messages:
-            try:
-                m = decode_message(raw)
-            except VersionMismatch:
-                self._counts["dropped_version"] += 1
-                continue
-            except KVBridgeError:
-                self._counts["dropped_malformed"] += 1
-                continue  # a malformed message from a peer is dropped
-            self._dispatch(m)
-        for ep, status in failures:
-            peer = self._by_ep.get(ep)
-            if peer is not None:
-                self._peer_gone(peer, ucs_error(status, f"peer {peer.name[:8]} gone"))
+        try:
+            for raw in messages:
+                try:
+                    m = decode_message(raw)
+                except VersionMismatch:
+                    self._counts["dropped_version"] += 1
+                    continue
+                except KVBridgeError:
+                    self._counts["dropped_malformed"] += 1
+                    continue  # a malformed message from a peer is dropped
+                self._dispatch(m)
+        finally:  # a dispatch that raised does not keep the batch's failures from applying
+            for ep, status in failures:
+                peer = self._by_ep.get(ep)
+                if peer is not None:
+                    self._peer_gone(peer, ucs_error(status, f"peer {peer.name[:8]} gone"))
 
     def _put_done(self, h: TransferHandle, status: int) -> None:
         peer = h.owner if isinstance(h.owner, UcxPeer) else None

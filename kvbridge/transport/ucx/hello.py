@@ -181,7 +181,13 @@ class Hellos:
         else:
             if old is not None:
                 a._forget(old)
-            peer = a._make_peer(md, same)
+            try:
+                peer = a._make_peer(md, same)
+            except KVBridgeError:
+                # the initiator is unreachable (it died after its HELLO): no
+                # one to answer, and nothing kept
+                a._count("hello_refused")
+                return
         proof = (
             ack_proof(key, a.agent_id, md.agent_id, hb.tag, peer._rx_tag, a.identity)
             if key is not None and a._psk is not None
